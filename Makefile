@@ -1,0 +1,38 @@
+# Two commands: `make run` and `make test`. Each creates .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch first, pinned to the CPU build this machine serves; the project's range admits it,
+# so pip keeps it instead of fetching a multi-GB CUDA build.
+TORCH := torch==2.13.0
+export DO_NOT_TRACK := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: run test lint format clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+run: $(VENV)/.installed
+	$(BIN)/gradline run
+
+test: $(VENV)/.installed-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf model checkpoints plots result.json metrics.json data/raw data/shards

@@ -1,0 +1,1 @@
+"""Entry layer: the `gradline` CLI and the Prefect flow(s)."""

@@ -1,0 +1,1 @@
+"""Prefect tasks: one small typed function per pipeline step, no ML logic."""

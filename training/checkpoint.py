@@ -1,0 +1,84 @@
+"""Checkpoints: atomic, checksummed, newest K kept, loaded with weights_only=True.
+
+A checkpoint holds everything needed to continue exactly: model, optimizer, step and the
+data position. Random streams are a pure function of (seed, rank, step) in the loop, so
+no RNG state needs saving. Each file `ckpt-<step>.pt` has a sidecar `.sha256`; a file
+that fails its checksum or does not load is skipped with a warning, and the previous one
+is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.atomic import atomic_file
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"ckpt-{step:08d}.pt"
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Newest first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if _NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)), reverse=True)
+
+
+def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """Write atomically (temp, fsync, rename), then its checksum, then prune old ones."""
+    buffer = io.BytesIO()
+    torch.save({"format": CHECKPOINT_FORMAT, "step": step, **state}, buffer)
+    payload = buffer.getvalue()
+    path = checkpoint_path(directory, step)
+    with atomic_file(path) as handle:
+        handle.write(payload)
+    with atomic_file(path.with_suffix(".sha256"), "w") as handle:
+        handle.write(hashlib.sha256(payload).hexdigest() + "\n")
+    for old in list_checkpoints(directory)[keep:]:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".sha256").unlink(missing_ok=True)
+    return path
+
+
+class CorruptCheckpoint(Exception):
+    pass
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    payload = path.read_bytes()
+    sidecar = path.with_suffix(".sha256")
+    if not sidecar.is_file():
+        raise CorruptCheckpoint(f"{path}: checksum file {sidecar.name} is missing")
+    if hashlib.sha256(payload).hexdigest() != sidecar.read_text().strip():
+        raise CorruptCheckpoint(f"{path}: checksum mismatch (truncated or corrupt)")
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise CorruptCheckpoint(f"{path}: cannot be loaded ({exc})") from exc
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise CorruptCheckpoint(f"{path}: format {state.get('format')} is not {CHECKPOINT_FORMAT}")
+    return state
+
+
+def load_latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies, falling back past corrupt ones."""
+    for path in list_checkpoints(directory):
+        try:
+            return path, load_checkpoint(path)
+        except CorruptCheckpoint as exc:
+            log.warning("skipping checkpoint: %s; falling back to the previous one", exc)
+    return None

@@ -1,0 +1,210 @@
+"""The one typed config schema, loaded from params.yaml plus `section.key=value` overrides.
+
+The CLI, the Prefect flow and every DVC stage go through `load_config`, so a bad value is
+rejected the same way everywhere, before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from training.errors import ConfigError
+
+
+class _Section(BaseModel):
+    # extra="forbid" turns a typo in params.yaml into an error instead of a silent default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Section):
+    source: Literal["digits"] = Field("digits", description="where rows come from")
+    max_rows: int | None = Field(
+        None, ge=1, description="keep only the first N source rows (null keeps all)"
+    )
+
+
+class ShardConfig(_Section):
+    rows_per_shard: int = Field(512, ge=1, description="rows in each Arrow IPC shard")
+    val_fraction: float = Field(0.15, ge=0.0, lt=1.0)
+    test_fraction: float = Field(0.15, gt=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _leave_rows_to_train(self) -> ShardConfig:
+        if self.val_fraction + self.test_fraction >= 1.0:
+            raise ValueError(
+                "shard.val_fraction + shard.test_fraction must be below 1 so that rows are "
+                f"left to train on (got {self.val_fraction} + {self.test_fraction})"
+            )
+        return self
+
+
+class TrainConfig(_Section):
+    world_size: int = Field(2, ge=1, description="worker processes (one per GPU on CUDA)")
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    epochs: int = Field(30, ge=1)
+    batch_size: int = Field(64, ge=1, description="global batch, split evenly across ranks")
+    lr: float = Field(0.003, gt=0.0)
+    weight_decay: float = Field(0.0001, ge=0.0)
+    hidden: int = Field(128, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    seed: int = Field(0, ge=0)
+    checkpoint_every: int = Field(5, ge=1, description="epochs between checkpoints")
+    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk")
+    max_restarts: int = Field(3, ge=0, description="elastic restarts after a worker failure")
+    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per rank")
+
+    @model_validator(mode="after")
+    def _batch_splits_evenly(self) -> TrainConfig:
+        if self.batch_size % self.world_size:
+            raise ValueError(
+                f"train.batch_size ({self.batch_size}) must be a multiple of "
+                f"train.world_size ({self.world_size}) so every rank gets the same share"
+            )
+        return self
+
+
+class EvaluateConfig(_Section):
+    batch_size: int = Field(512, ge=1)
+
+
+class RegistryConfig(_Section):
+    experiment: str = Field("gradline", min_length=1, description="MLflow experiment")
+    model_name: str = Field("gradline-digits", min_length=1, description="registered model")
+
+
+class Config(_Section):
+    data: DataConfig = DataConfig()
+    shard: ShardConfig = ShardConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    registry: RegistryConfig = RegistryConfig()
+
+    def flat(self) -> dict[str, Any]:
+        """`section.key -> value`, the form MLflow params and DVC param names use."""
+        return {
+            f"{section}.{key}": value
+            for section, values in self.model_dump().items()
+            for key, value in values.items()
+        }
+
+
+# Sections that say where results are recorded, not how they are computed: no DVC stage
+# depends on them, so changing them never makes a stage stale.
+UNTRACKED_SECTIONS = frozenset({"registry"})
+
+
+def _section_fields(section: str) -> list[str]:
+    return list(Config.model_fields[section].annotation.model_fields)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`train.lr=0.01` -> ("train", "lr", 0.01). Values are parsed as YAML scalars."""
+    key, sep, raw = text.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(
+            f"override {text!r} is not of the form section.key=value (e.g. train.lr=0.01)"
+        )
+    section, field = parts
+    if section not in Config.model_fields:
+        raise ConfigError(
+            f"override {text!r}: unknown section {section!r}; "
+            f"sections are {', '.join(Config.model_fields)}"
+        )
+    if field not in _section_fields(section):
+        raise ConfigError(
+            f"override {text!r}: unknown key {section}.{field}; "
+            f"keys in {section} are {', '.join(_section_fields(section))}"
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from exc
+    return section, field, value
+
+
+def _merge(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for text in overrides:
+        section, field, value = parse_override(text)
+        current = merged.setdefault(section, {})
+        if not isinstance(current, dict):
+            raise ConfigError(f"params.yaml: section {section!r} must be a mapping")
+        current[field] = value
+    return merged
+
+
+def _explain(exc: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            section = str(err["loc"][0]) if len(err["loc"]) > 1 else None
+            allowed = _section_fields(section) if section else list(Config.model_fields)
+            lines.append(f"  {where}: unknown key; allowed: {', '.join(allowed)}")
+        else:
+            got = err.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  {where}: {err['msg']}{shown}")
+    return ConfigError(f"invalid configuration in {source}:\n" + "\n".join(lines))
+
+
+def read_params(params_path: Path) -> dict[str, Any]:
+    if not params_path.is_file():
+        raise ConfigError(f"{params_path} not found: every gradline project has a params.yaml")
+    try:
+        raw = yaml.safe_load(params_path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{params_path} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{params_path} must be a mapping of sections (data, shard, train...)")
+    return raw
+
+
+def load_config(params_path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Validate params.yaml plus overrides; raise ConfigError naming every bad key."""
+    merged = _merge(read_params(params_path), list(overrides))
+    source = params_path.name + (" with --set overrides" if overrides else "")
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as exc:
+        raise _explain(exc, source) from None
+
+
+def write_overrides(params_path: Path, overrides: list[str] | tuple[str, ...]) -> Config:
+    """Record overrides in params.yaml, as `dvc exp run --set-param` does, so that
+    `dvc repro` and dvc.lock see exactly the parameters the run used.
+
+    The whole result is validated first; the file is replaced atomically and keeps its
+    comments. Returns the validated config.
+    """
+    config = load_config(params_path, overrides)
+    if not overrides:
+        return config
+    from ruamel.yaml import YAML  # dvc's own YAML library: round-trips comments
+
+    rt = YAML()
+    rt.preserve_quotes = True
+    doc = rt.load(params_path.read_text()) or {}
+    for text in overrides:
+        section, field, value = parse_override(text)
+        if section not in doc or doc[section] is None:
+            doc[section] = {}
+        doc[section][field] = value
+    fd, tmp = tempfile.mkstemp(dir=params_path.parent, prefix=".params.", suffix=".yaml")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            rt.dump(doc, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, params_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return config

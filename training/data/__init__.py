@@ -1,0 +1,1 @@
+"""Data plane: sources, ingest, Arrow shards and the rank-aware loader."""

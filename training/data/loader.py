@@ -1,0 +1,160 @@
+"""Rank-aware, memory-mapped batch loader over Arrow IPC shards.
+
+The order of samples is a pure function of (seed, epoch): one global permutation per
+epoch, cut into global batches of `global_batch` rows; rank r takes the r-th contiguous
+slice of each global batch. So the rows of a global step are the same whatever the world
+size, every rank gets the same number of batches (the last partial global batch is
+dropped), and a position is a global batch index that means the same on any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from training.data.shards import ShardInfo
+from training.data.sources import FEATURES, LABEL
+from training.errors import DataError
+
+LOADER_STATE_VERSION = 1
+
+
+def epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def batches_per_epoch(num_rows: int, global_batch: int) -> int:
+    return num_rows // global_batch
+
+
+def rank_slice(batch_index: int, global_batch: int, world_size: int, rank: int) -> slice:
+    """Positions in the epoch permutation that rank `rank` reads for one global batch."""
+    if global_batch % world_size:
+        raise ValueError(f"global batch {global_batch} does not split over {world_size} ranks")
+    per_rank = global_batch // world_size
+    start = batch_index * global_batch + rank * per_rank
+    return slice(start, start + per_rank)
+
+
+def strided_rows(num_rows: int, world_size: int, rank: int) -> np.ndarray:
+    """Evaluation split: rank r takes rows r, r+W, ...; every row is read exactly once."""
+    return np.arange(rank, num_rows, world_size)
+
+
+class ShardReader:
+    """Gathers rows by global index from memory-mapped shards, opening each on first use."""
+
+    def __init__(self, shards: list[ShardInfo]) -> None:
+        if not shards:
+            raise DataError("no shards to read")
+        self._shards = shards
+        self._offsets = np.cumsum([0] + [s.rows for s in shards])
+        self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._offsets[-1])
+
+    def _view(self, shard_id: int) -> tuple[np.ndarray, np.ndarray]:
+        view = self._views.get(shard_id)
+        if view is None:
+            info = self._shards[shard_id]
+            try:
+                batch = ipc.open_file(pa.memory_map(str(info.path), "r")).get_batch(0)
+            except (OSError, pa.ArrowInvalid) as exc:
+                raise DataError(f"cannot read shard {info.path}: {exc}; re-run shard") from exc
+            if batch.num_rows != info.rows:
+                raise DataError(
+                    f"shard {info.path} has {batch.num_rows} rows, the manifest says "
+                    f"{info.rows}; re-run the shard stage"
+                )
+            column = batch.column(batch.schema.get_field_index(FEATURES))
+            width = column.type.list_size
+            # Zero-copy views straight onto the mapped file.
+            features = column.flatten().to_numpy(zero_copy_only=True).reshape(-1, width)
+            labels = batch.column(batch.schema.get_field_index(LABEL)).to_numpy()
+            view = (features, labels)
+            self._views[shard_id] = view
+        return view
+
+    def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        shard_ids = np.searchsorted(self._offsets, indices, side="right") - 1
+        width = self._view(int(shard_ids[0]))[0].shape[1]
+        features = np.empty((len(indices), width), dtype=np.float32)
+        labels = np.empty(len(indices), dtype=np.int64)
+        for shard_id in np.unique(shard_ids):
+            mask = shard_ids == shard_id
+            local = indices[mask] - self._offsets[shard_id]
+            src_x, src_y = self._view(int(shard_id))
+            features[mask] = src_x[local]
+            labels[mask] = src_y[local]
+        return features, labels
+
+
+@dataclass
+class LoaderPosition:
+    """Where training stands in the data, in global terms (valid on any world size)."""
+
+    epoch: int = 0
+    batch_index: int = 0  # global batches already consumed in this epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "version": LOADER_STATE_VERSION,
+            "epoch": self.epoch,
+            "batch_index": self.batch_index,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, int]) -> LoaderPosition:
+        if state.get("version") != LOADER_STATE_VERSION:
+            raise DataError(
+                f"loader state version {state.get('version')} is not {LOADER_STATE_VERSION}; "
+                "this checkpoint was written by another gradline and cannot resume here"
+            )
+        return cls(epoch=int(state["epoch"]), batch_index=int(state["batch_index"]))
+
+
+class RankLoader:
+    """Yields this rank's (features, labels) batches for one epoch, from a position."""
+
+    def __init__(
+        self,
+        reader: ShardReader,
+        *,
+        rank: int,
+        world_size: int,
+        global_batch: int,
+        seed: int,
+    ) -> None:
+        if batches_per_epoch(reader.num_rows, global_batch) == 0:
+            raise DataError(
+                f"train split has {reader.num_rows} rows, fewer than one global batch "
+                f"({global_batch}); lower train.batch_size or use more data"
+            )
+        self.reader = reader
+        self.rank = rank
+        self.world_size = world_size
+        self.global_batch = global_batch
+        self.seed = seed
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return batches_per_epoch(self.reader.num_rows, self.global_batch)
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        order = epoch_permutation(self.reader.num_rows, self.seed, epoch)
+        for k in range(start, self.batches_per_epoch):
+            positions = rank_slice(k, self.global_batch, self.world_size, self.rank)
+            yield self.reader.gather(order[positions])
+
+
+def open_reader(shard_dir: Path, manifest: dict, split: str) -> ShardReader:
+    from training.data.shards import split_shards
+
+    return ShardReader(split_shards(shard_dir, manifest, split))

@@ -1,0 +1,81 @@
+"""Topology and process-group lifecycle: the one place that touches torch.distributed setup."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from training.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Rank, world size and device of this worker, built once and passed down."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, backend: str = "auto") -> DistContext:
+        """Read the variables torch.distributed.elastic sets for each worker."""
+        rank = int(os.environ.get("RANK", "0"))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        cuda = torch.cuda.is_available()
+        if backend == "auto":
+            backend = "nccl" if cuda else "gloo"
+        if backend == "nccl" and not cuda:
+            raise ConfigError("train.backend=nccl needs CUDA GPUs; use gloo or auto on CPU")
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        return cls(rank, world_size, local_rank, backend, device)
+
+
+@contextlib.contextmanager
+def process_group(ctx: DistContext, timeout_s: float = 300.0) -> Iterator[None]:
+    """Join the job's process group for the duration of the block, then leave it."""
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)
+    dist.init_process_group(
+        backend=ctx.backend,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def wrap_data_parallel(model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
+    """Synchronous data parallelism: gradients are all-reduced every backward pass."""
+    model.to(ctx.device)
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_object(value: object, ctx: DistContext) -> object:
+    """Rank 0's value on every rank (e.g. which checkpoint to resume from)."""
+    box = [value if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,67 @@
+"""Model registry: a new version per training run, and a gate that moves `champion`.
+
+The new version becomes `champion` when there is none, or when it beats the champion's
+test accuracy on the same test data. When the test split changed since the champion was
+evaluated, the champion is evaluated again on the current split, so the comparison is
+always like for like. Otherwise the new version is the `challenger`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from training.tracking import TAG_TEST_DIGEST, client
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+
+
+@dataclass(frozen=True)
+class Registration:
+    model_name: str
+    version: int
+    alias: str
+    test_accuracy: float
+    champion_accuracy: float | None  # the previous champion's, on the same test data
+
+
+def _champion_accuracy(
+    mlflow_client, model_name: str, test_digest: str, reevaluate: Callable[[str], float]
+) -> float | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        champion = mlflow_client.get_model_version_by_alias(model_name, CHAMPION)
+    except MlflowException:
+        return None
+    run = mlflow_client.get_run(champion.run_id)
+    same_test_data = run.data.tags.get(TAG_TEST_DIGEST) == test_digest
+    if same_test_data and "test_accuracy" in run.data.metrics:
+        return run.data.metrics["test_accuracy"]
+    return reevaluate(f"models:/{model_name}/{champion.version}")
+
+
+def register_and_gate(
+    tracking_uri: str,
+    model_name: str,
+    model_uri: str,
+    run_id: str,
+    test_accuracy: float,
+    test_digest: str,
+    reevaluate: Callable[[str], float],
+    description: str = "",
+) -> Registration:
+    import mlflow
+
+    mlflow_client = client(tracking_uri)
+    champion_accuracy = _champion_accuracy(mlflow_client, model_name, test_digest, reevaluate)
+    mlflow.set_registry_uri(tracking_uri)
+    mlflow.set_tracking_uri(tracking_uri)
+    version = mlflow.register_model(model_uri, model_name, tags={"gradline.run_id": run_id})
+    if description:
+        mlflow_client.update_model_version(model_name, version.version, description=description)
+    wins = champion_accuracy is None or test_accuracy > champion_accuracy
+    alias = CHAMPION if wins else CHALLENGER
+    mlflow_client.set_registered_model_alias(model_name, alias, version.version)
+    return Registration(model_name, int(version.version), alias, test_accuracy, champion_accuracy)
