@@ -43,7 +43,9 @@ def _dvc(root: Path, *args: str) -> str:
 def reproduce_stage(root: str, stage: str) -> bool:
     """Run one stage if DVC finds it stale; True when it ran."""
     output = _dvc(Path(root), "repro", "--single-item", stage)
-    print(output.strip())
+    # Keep the stage's own output; drop DVC's git hints, which the flow acts on itself.
+    hints = ("git add", "To track the changes", "To enable auto staging", "autostage", "dvc push")
+    print("\n".join(line for line in output.splitlines() if not any(h in line for h in hints)))
     return "didn't change, skipping" not in output
 
 

@@ -40,10 +40,10 @@ class RunSummary:
 
 @task(name="register-model")
 def register_model(root: str, cfg: Config) -> RunSummary:
+    from training.data.shards import read_manifest, split_digest
     from training.evaluate import predict_split
     from training.registry import register_and_gate
     from training.stages import read_train_result
-    from training.data.shards import read_manifest, split_digest
     from training.tracking import default_tracking_uri
 
     paths = ProjectPaths(Path(root))

@@ -191,12 +191,17 @@ def write_overrides(params_path: Path, overrides: list[str] | tuple[str, ...]) -
 
     rt = YAML()
     rt.preserve_quotes = True
+    # Write None as `null`, as people write it, not as an empty value.
+    rt.representer.add_representer(
+        type(None), lambda rep, _: rep.represent_scalar("tag:yaml.org,2002:null", "null")
+    )
     doc = rt.load(params_path.read_text()) or {}
     for text in overrides:
-        section, field, value = parse_override(text)
+        section, field, _ = parse_override(text)
         if section not in doc or doc[section] is None:
             doc[section] = {}
-        doc[section][field] = value
+        # Record the validated value (`1e-2` becomes 0.01), so DVC sees its real type.
+        doc[section][field] = getattr(getattr(config, section), field)
     fd, tmp = tempfile.mkstemp(dir=params_path.parent, prefix=".params.", suffix=".yaml")
     try:
         with os.fdopen(fd, "w") as handle:

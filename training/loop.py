@@ -80,7 +80,8 @@ def _evaluate(model, reader, rows, ctx: DistContext, batch_size: int) -> dict[st
         totals[2] += len(y)
     all_reduce_sum(totals)
     model.train()
-    return {"val_loss": (totals[0] / totals[2]).item(), "val_accuracy": (totals[1] / totals[2]).item()}
+    loss_sum, correct, count = totals.tolist()
+    return {"val_loss": loss_sum / count, "val_accuracy": correct / count}
 
 
 def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, float] | None:

@@ -55,6 +55,13 @@ def register_and_gate(
     import mlflow
 
     mlflow_client = client(tracking_uri)
+    # Registering is idempotent per run: a pipeline re-run that trained nothing new
+    # reports the version it already made instead of adding a duplicate.
+    existing = mlflow_client.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
+    if existing:
+        version = existing[0]
+        alias = ",".join(version.aliases) or "(no alias)"
+        return Registration(model_name, int(version.version), alias, test_accuracy, None)
     champion_accuracy = _champion_accuracy(mlflow_client, model_name, test_digest, reevaluate)
     mlflow.set_registry_uri(tracking_uri)
     mlflow.set_tracking_uri(tracking_uri)

@@ -92,9 +92,10 @@ def set_status(tracking_uri: str, run_id: str, status: str) -> None:
 
 def log_final_model(tracking_uri: str, run_id: str, model, example) -> str:
     """Log the unwrapped model with the pytorch flavor and a signature; return its URI."""
-    import mlflow
     import torch
     from mlflow.models import infer_signature
+
+    import mlflow
 
     with torch.no_grad():
         output = model(torch.from_numpy(example)).numpy()

@@ -105,7 +105,8 @@ def evaluate_stage(
     metrics = classification_metrics(pred)
     image = plots / "confusion_matrix.png"
     plot_confusion_matrix(pred, spec.num_classes, image)
-    rows = [{"actual": int(a), "predicted": int(p)} for a, p in zip(pred.y_true, pred.y_pred)]
+    pairs = zip(pred.y_true.tolist(), pred.y_pred.tolist(), strict=True)
+    rows = [{"actual": actual, "predicted": predicted} for actual, predicted in pairs]
     write_json(plots / "predictions.json", rows)
     write_json(metrics_out, metrics)
 

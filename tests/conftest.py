@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny real data (digits) written through the real ingest and shard code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from training.config import DataConfig, ShardConfig
+from training.data.ingest import ingest
+from training.data.shards import write_shards
+
+REPO = Path(__file__).resolve().parents[1]
+
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory) -> Path:
+    """600 digits rows, sharded 100 rows a file: several shards per split."""
+    base = tmp_path_factory.mktemp("tiny")
+    ingest(DataConfig(max_rows=600), base / "raw")
+    write_shards(ShardConfig(rows_per_shard=100), base / "raw", base / "shards", "test-md5")
+    return base / "shards"

@@ -1,0 +1,80 @@
+"""Config validation: every bad key or value is named, and nothing is written."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from training.config import Config, load_config, parse_override, write_overrides
+from training.errors import ConfigError
+
+from .conftest import REPO
+
+
+@pytest.fixture
+def params(tmp_path: Path) -> Path:
+    target = tmp_path / "params.yaml"
+    shutil.copy(REPO / "params.yaml", target)
+    return target
+
+
+def test_shipped_params_match_schema_defaults(params: Path) -> None:
+    # params.yaml is the documented default: it must validate and equal the schema's.
+    assert load_config(params) == Config()
+
+
+def test_unknown_key_in_file_is_named(params: Path) -> None:
+    params.write_text(params.read_text().replace("  lr: 0.003", "  lr: 0.003\n  lrr: 1"))
+    with pytest.raises(ConfigError, match=r"train\.lrr: unknown key; allowed: .*lr"):
+        load_config(params)
+
+
+def test_wrong_type_in_file_is_named(params: Path) -> None:
+    params.write_text(params.read_text().replace("epochs: 30", "epochs: many"))
+    with pytest.raises(ConfigError, match=r"train\.epochs: .*integer.*'many'"):
+        load_config(params)
+
+
+def test_unknown_section_is_named(params: Path) -> None:
+    params.write_text(params.read_text() + "\nextras:\n  a: 1\n")
+    with pytest.raises(ConfigError, match=r"extras: unknown key; allowed: data, shard"):
+        load_config(params)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.lr", "not of the form section.key=value"),
+        ("trian.lr=1", "unknown section 'trian'"),
+        ("train.rate=1", r"unknown key train\.rate; keys in train are world_size"),
+        ("train.lr=-1", r"train\.lr: Input should be greater than 0"),
+        ("train.world_size=3", r"multiple of train\.world_size"),
+        ("shard.test_fraction=0.9", "must be below 1"),
+        ("train.backend=mpi", r"train\.backend: Input should be 'auto', 'gloo' or 'nccl'"),
+    ],
+)
+def test_bad_override_is_rejected(params: Path, override: str, message: str) -> None:
+    before = params.read_text()
+    with pytest.raises(ConfigError, match=message):
+        write_overrides(params, [override])
+    assert params.read_text() == before  # nothing written
+
+
+def test_override_values_parse_as_yaml() -> None:
+    assert parse_override("train.lr=0.01") == ("train", "lr", 0.01)
+    assert parse_override("data.max_rows=null") == ("data", "max_rows", None)
+    assert parse_override("registry.model_name=my-model") == ("registry", "model_name", "my-model")
+
+
+def test_overrides_are_recorded_keeping_comments(params: Path) -> None:
+    cfg = write_overrides(params, ["train.seed=7", "data.max_rows=100"])
+    assert cfg.train.seed == 7 and cfg.data.max_rows == 100
+    text = params.read_text()
+    assert "  seed: 7" in text and "max_rows: 100" in text
+    assert "# global batch, split evenly across ranks" in text
+    assert load_config(params) == cfg  # the file alone now reproduces the run
+    write_overrides(params, ["data.max_rows=null", "train.lr=1e-2"])
+    assert "max_rows: null" in params.read_text()
+    assert "  lr: 0.01" in params.read_text()

@@ -1,0 +1,184 @@
+"""Data plane: stable splits, verifiable shards, and rank assignment as a pure function."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from training.config import ShardConfig
+from training.data.loader import (
+    LoaderPosition,
+    RankLoader,
+    ShardReader,
+    batches_per_epoch,
+    epoch_permutation,
+    open_reader,
+    rank_slice,
+    strided_rows,
+)
+from training.data.shards import file_sha256, read_manifest, split_of, write_shards
+from training.data.sources import to_table
+from training.errors import DataError
+
+
+def test_split_is_deterministic_and_proportional() -> None:
+    keys = [f"row-{i}" for i in range(20_000)]
+    first = [split_of(k, 0.15, 0.15) for k in keys]
+    assert first == [split_of(k, 0.15, 0.15) for k in keys]
+    shares = {s: first.count(s) / len(keys) for s in ("train", "val", "test")}
+    assert shares["test"] == pytest.approx(0.15, abs=0.01)
+    assert shares["val"] == pytest.approx(0.15, abs=0.01)
+
+
+def _raw(tmp_path, n: int, name: str = "part.parquet"):
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(n)
+    table = to_table([f"k{i}" for i in range(n)], rng.random((n, 4)), rng.integers(0, 3, n))
+    raw = tmp_path / "raw"
+    raw.mkdir(exist_ok=True)
+    pq.write_table(table, raw / name)
+    return raw
+
+
+def _split_by_key(shard_dir) -> dict[str, str]:
+    manifest = read_manifest(shard_dir)
+    found = {}
+    for split, info in manifest["splits"].items():
+        for shard in info["shards"]:
+            table = ipc.open_file(pa.memory_map(str(shard_dir / shard["file"]))).read_all()
+            found.update({k: split for k in table.column("row_id").to_pylist()})
+    return found
+
+
+def test_split_of_a_row_survives_appended_data(tmp_path) -> None:
+    cfg = ShardConfig(rows_per_shard=64)
+    raw = _raw(tmp_path, 500)
+    write_shards(cfg, raw, tmp_path / "a", "v1")
+    before = _split_by_key(tmp_path / "a")
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(1)
+    extra = to_table([f"new{i}" for i in range(300)], rng.random((300, 4)), rng.integers(0, 3, 300))
+    pq.write_table(extra, raw / "zz-appended.parquet")
+    write_shards(cfg, raw, tmp_path / "b", "v2")
+    after = _split_by_key(tmp_path / "b")
+    assert len(after) == 800
+    assert {k: after[k] for k in before} == before
+
+
+def test_manifest_describes_and_verifies_shards(tiny_shards) -> None:
+    manifest = json.loads((tiny_shards / "manifest.json").read_text())
+    assert manifest["data_version"] == "test-md5"
+    assert manifest["feature_shape"] == [64] and manifest["num_classes"] == 10
+    total = 0
+    for info in manifest["splits"].values():
+        assert info["rows"] == sum(s["rows"] for s in info["shards"])
+        for shard in info["shards"]:
+            assert shard["rows"] <= 100
+            assert file_sha256(tiny_shards / shard["file"]) == shard["sha256"]
+        total += info["rows"]
+    assert total == 600
+
+
+def test_shards_are_uncompressed_single_batch_ipc(tiny_shards) -> None:
+    manifest = read_manifest(tiny_shards)
+    path = tiny_shards / manifest["splits"]["train"]["shards"][0]["file"]
+    reader = ipc.open_file(pa.memory_map(str(path)))
+    assert reader.num_record_batches == 1
+    # Zero-copy: the feature view points into the memory-mapped file.
+    features = reader.get_batch(0).column(1).flatten().to_numpy(zero_copy_only=True)
+    assert not features.flags.owndata
+
+
+def test_failed_shard_leaves_previous_output(tmp_path) -> None:
+    raw = _raw(tmp_path, 200)
+    out = tmp_path / "shards"
+    write_shards(ShardConfig(rows_per_shard=50), raw, out, "v1")
+    before = sorted(p.name for p in out.iterdir())
+    (raw / "part.parquet").write_bytes(b"not parquet")
+    with pytest.raises(pa.ArrowInvalid):
+        write_shards(ShardConfig(rows_per_shard=50), raw, out, "v2")
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert read_manifest(out)["data_version"] == "v1"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".shards")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5000),
+    world=st.sampled_from([1, 2, 3, 4, 8, 16, 64, 176]),
+    per_rank=st.integers(1, 16),
+    epoch=st.integers(0, 5),
+)
+def test_every_sample_at_most_once_and_equal_batches(rows, world, per_rank, epoch) -> None:
+    global_batch = world * per_rank
+    perm = epoch_permutation(rows, seed=3, epoch=epoch)
+    n_batches = batches_per_epoch(rows, global_batch)
+    seen = []
+    for rank in range(world):
+        mine = [perm[rank_slice(k, global_batch, world, rank)] for k in range(n_batches)]
+        assert all(len(b) == per_rank for b in mine)  # equal batches on every rank
+        seen.extend(np.concatenate(mine) if mine else [])
+    # Exactly once for all but the dropped tail (< one global batch).
+    assert len(seen) == len(set(seen)) == n_batches * global_batch
+    assert rows - len(seen) < global_batch
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 3000), world=st.sampled_from([1, 2, 3, 7, 32, 176]))
+def test_evaluation_rows_cover_split_exactly_once(rows, world) -> None:
+    parts = [strided_rows(rows, world, r) for r in range(world)]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(rows))
+
+
+def test_global_batches_do_not_depend_on_world_size() -> None:
+    perm = epoch_permutation(1000, seed=0, epoch=2)
+    for k in range(3):
+        one = perm[rank_slice(k, 64, 1, 0)]
+        four = np.concatenate([perm[rank_slice(k, 64, 4, r)] for r in range(4)])
+        assert np.array_equal(one, four)
+
+
+def test_loader_resumes_mid_epoch_on_another_world_size(tiny_shards) -> None:
+    manifest = read_manifest(tiny_shards)
+    reader = open_reader(tiny_shards, manifest, "train")
+
+    def rows_from(world: int, start: int) -> list[np.ndarray]:
+        loaders = [
+            RankLoader(reader, rank=r, world_size=world, global_batch=16, seed=5)
+            for r in range(world)
+        ]
+        per_rank = [list(ld.batches(epoch=1, start=start)) for ld in loaders]
+        return [np.concatenate([b[1] for b in step]) for step in zip(*per_rank, strict=True)]
+
+    full = rows_from(2, 0)
+    k = 7
+    state = LoaderPosition(epoch=1, batch_index=k).state_dict()
+    resumed = LoaderPosition.from_state_dict(json.loads(json.dumps(state)))
+    for world in (1, 2, 4):
+        rest = rows_from(world, resumed.batch_index)
+        assert len(rest) == len(full) - k
+        assert all(np.array_equal(a, b) for a, b in zip(rest, full[k:], strict=True))
+
+
+def test_loader_state_of_another_version_is_refused() -> None:
+    with pytest.raises(DataError, match="cannot resume"):
+        LoaderPosition.from_state_dict({"version": 99, "epoch": 0, "batch_index": 0})
+
+
+def test_reader_gathers_across_shards(tiny_shards) -> None:
+    manifest = read_manifest(tiny_shards)
+    reader = open_reader(tiny_shards, manifest, "train")
+    assert isinstance(reader, ShardReader) and reader.num_rows > 200
+    idx = np.array([0, reader.num_rows - 1, 150, 99, 100])
+    x, y = reader.gather(idx)
+    assert x.shape == (5, 64) and x.dtype == np.float32 and y.dtype == np.int64
+    singles = [reader.gather(np.array([i])) for i in idx]
+    assert np.array_equal(x, np.concatenate([s[0] for s in singles]))
