@@ -36,7 +36,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     root = find_project_root()
     if args.name == "ingest":
-        stages.ingest_stage(root, Path(args.out))
+        stages.ingest_stage(root, Path(args.out), Path(args.quarantine), Path(args.report))
     elif args.name == "shard":
         stages.shard_stage(root, Path(args.raw), Path(args.out))
     elif args.name == "train":
@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     stage = sub.add_parser("stage", help="run one DVC stage (what dvc.yaml calls)")
     stage_sub = stage.add_subparsers(dest="name", required=True)
     ingest = stage_sub.add_parser("ingest")
-    ingest.add_argument("--out", required=True)
+    for flag in ("--out", "--quarantine", "--report"):
+        ingest.add_argument(flag, required=True)
     shard = stage_sub.add_parser("shard")
     shard.add_argument("--raw", required=True)
     shard.add_argument("--out", required=True)

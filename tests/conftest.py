@@ -20,8 +20,9 @@ os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 @pytest.fixture(scope="session")
 def tiny_shards(tmp_path_factory) -> Path:
-    """600 digits rows, sharded 100 rows a file: several shards per split."""
+    """600 digits rows through the real ingest and shard code."""
     base = tmp_path_factory.mktemp("tiny")
-    ingest(DataConfig(max_rows=600), base / "raw")
-    write_shards(ShardConfig(rows_per_shard=100), base / "raw", base / "shards", "test-md5")
+    ingest(DataConfig(max_rows=600), base, base / "raw", base / "quarantine", base / "report.json")
+    # ~25 KB shards: several shards per split, so reads cross shard boundaries.
+    write_shards(ShardConfig(target_shard_mb=0.025), base / "raw", base / "shards", "test-md5")
     return base / "shards"

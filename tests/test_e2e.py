@@ -16,7 +16,7 @@ from .conftest import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-GENERATED = {"dvc.lock", "metrics.json", "result.json"}
+GENERATED = {"dvc.lock", "metrics.json", "result.json", "data/ingest.json"}
 SMALL = ["--set", "data.max_rows=500", "--set", "train.epochs=8"]
 
 
@@ -108,6 +108,9 @@ def test_run_trains_evaluates_and_registers(project: Path) -> None:
     assert run.data.tags["gradline.prefect_flow_run_id"]
     assert len(run.data.tags["mlflow.source.git.commit"]) == 40
     assert run.data.params["train.epochs"] == "8"
+    (dataset,) = [d.dataset for d in run.inputs.dataset_inputs]
+    assert dataset.digest == raw_md5 and dataset.name == "digits-raw"
+    assert dataset.source.endswith("data/raw")
     assert run.data.metrics["test_accuracy"] > 0.8
     for key in ("test_macro_f1", "test_loss", "val_accuracy", "samples_per_s"):
         assert key in run.data.metrics

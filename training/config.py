@@ -23,14 +23,66 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    source: Literal["digits"] = Field("digits", description="where rows come from")
+    source: Literal["digits", "synthetic", "parquet", "csv"] = Field(
+        "digits", description="where rows come from"
+    )
+    path: str = Field(
+        "data/incoming",
+        min_length=1,
+        description="parquet/csv: a file or a folder of files, relative to the project",
+    )
+    label_column: str = Field("label", min_length=1)
+    feature_columns: list[str] | None = Field(
+        None, description="numeric feature columns; null: every column but label and key"
+    )
+    tensor_column: str | None = Field(
+        None, description="one fixed-shape list column holding all features instead"
+    )
+    feature_shape: list[int] | None = Field(
+        None, description="shape of tensor_column's values, e.g. [8, 8]"
+    )
+    key_column: str | None = Field(
+        None, description="a unique row key; null: a hash of the row's contents"
+    )
+    num_classes: int | None = Field(
+        None, ge=2, description="labels must lie in 0..num_classes-1 (parquet/csv)"
+    )
+    on_invalid: Literal["fail", "quarantine"] = Field(
+        "fail", description="quarantine: bad rows go to data/quarantine/ with a reason"
+    )
+    duplicates: Literal["keep", "reject"] = Field(
+        "keep", description="reject: a repeated key (or repeated row) is an invalid row"
+    )
     max_rows: int | None = Field(
         None, ge=1, description="keep only the first N source rows (null keeps all)"
     )
+    read_batch_rows: int = Field(65536, ge=1, description="rows per streamed batch")
+    synthetic_rows: int = Field(10000, ge=1)
+    synthetic_shape: list[int] = Field([64], min_length=1, description="feature shape")
+    synthetic_classes: int = Field(10, ge=2)
+    synthetic_noise: float = Field(1.0, ge=0.0)
+    seed: int = Field(0, ge=0, description="seeds the synthetic source")
+
+    @model_validator(mode="after")
+    def _features_declared_once(self) -> DataConfig:
+        if self.tensor_column and self.feature_columns:
+            raise ValueError(
+                "set data.tensor_column or data.feature_columns, not both: features come "
+                "either from one list column or from several numeric columns"
+            )
+        if self.source in ("parquet", "csv") and self.num_classes is None:
+            raise ValueError(
+                f"data.num_classes is required for source {self.source!r}: labels are "
+                "checked against 0..num_classes-1"
+            )
+        shapes = [self.feature_shape or [1], self.synthetic_shape]
+        if any(d < 1 for shape in shapes for d in shape):
+            raise ValueError("data.feature_shape and data.synthetic_shape need sizes >= 1")
+        return self
 
 
 class ShardConfig(_Section):
-    rows_per_shard: int = Field(512, ge=1, description="rows in each Arrow IPC shard")
+    target_shard_mb: float = Field(64.0, gt=0.0, description="approximate size of a shard")
     val_fraction: float = Field(0.15, ge=0.0, lt=1.0)
     test_fraction: float = Field(0.15, gt=0.0, lt=1.0)
 
@@ -58,6 +110,7 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk")
     max_restarts: int = Field(3, ge=0, description="elastic restarts after a worker failure")
     threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per rank")
+    loader_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
 
     @model_validator(mode="after")
     def _batch_splits_evenly(self) -> TrainConfig:

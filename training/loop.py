@@ -9,6 +9,7 @@ checkpoint writes.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,7 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, float] | No
     val_rows = strided_rows(val_reader.num_rows, ctx.world_size, ctx.rank)
 
     spec = ModelSpec(
-        in_features=manifest["feature_shape"][0],
+        in_features=math.prod(manifest["feature_shape"]),
         num_classes=manifest["num_classes"],
         hidden=tc.hidden,
         dropout=tc.dropout,
@@ -130,9 +131,16 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, float] | No
         losses: list[torch.Tensor] = []
         first_step = step + 1
         started = time.perf_counter()
-        for x, y in loader.batches(epoch, start_batch):
+        data_wait = 0.0
+        batches = loader.tensors(epoch, start_batch, tc.loader_workers, ctx.device.type == "cuda")
+        while True:
+            waited = time.perf_counter()
+            batch = next(batches, None)
+            data_wait += time.perf_counter() - waited
+            if batch is None:
+                break
             torch.manual_seed(_step_seed(tc.seed, ctx.rank, step))
-            x, y = torch.from_numpy(x).to(ctx.device), torch.from_numpy(y).to(ctx.device)
+            x, y = batch[0].to(ctx.device, non_blocking=True), batch[1].to(ctx.device)
             loss = F.cross_entropy(ddp(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces gradients here: a synchronous update
@@ -147,6 +155,7 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, float] | No
         steps_done = len(losses)
         last_val = _evaluate(model, val_reader, val_rows, ctx, cfg.evaluate.batch_size)
         last_val["samples_per_s"] = steps_done * tc.batch_size / max(elapsed, 1e-9)
+        last_val["data_wait_fraction"] = data_wait / max(elapsed, 1e-9)
         last_val["epoch"] = epoch + 1
         tracker.log_metrics(last_val, step)
         if ctx.is_main:

@@ -32,6 +32,14 @@ class ProjectPaths:
         return self.root / "data" / "raw"
 
     @property
+    def quarantine(self) -> Path:
+        return self.root / "data" / "quarantine"
+
+    @property
+    def ingest_report(self) -> Path:
+        return self.root / "data" / "ingest.json"
+
+    @property
     def shards(self) -> Path:
         return self.root / "data" / "shards"
 

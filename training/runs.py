@@ -78,8 +78,28 @@ def open_job_run(
 
     params = [Param(k, str(v)) for k, v in cfg.flat().items()]
     mlflow_client.log_batch(run_id, params=params)
+    log_dataset(mlflow_client, run_id, cfg, root, data_version)
     write_json(run_file, {"run_id": run_id})
     return JobRun(run_id, job_dir, resumed=False)
+
+
+def log_dataset(mlflow_client, run_id: str, cfg: Config, root: Path, data_version: str) -> None:
+    """Record the training data as a dataset input: the UI shows which data trained the
+    model, with the DVC md5 as its digest (`dvc checkout` of that version restores it)."""
+    from mlflow.data.artifact_dataset_sources import LocalArtifactDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    source = LocalArtifactDatasetSource((root / "data" / "raw").resolve().as_uri())
+    dataset = MetaDataset(source=source, name=f"{cfg.data.source}-raw", digest=data_version)
+    mlflow_client.log_inputs(
+        run_id,
+        datasets=[
+            DatasetInput(
+                dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")]
+            )
+        ],
+    )
 
 
 def mark_complete(job: JobRun) -> None:

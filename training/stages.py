@@ -26,11 +26,11 @@ from training.versioning import data_version
 log = logging.getLogger("gradline")
 
 
-def ingest_stage(root: Path, out: Path) -> dict[str, Any]:
+def ingest_stage(root: Path, out: Path, quarantine: Path, report: Path) -> dict[str, Any]:
     cfg = load_config(ProjectPaths(root).params)
-    rows = ingest(cfg.data, out)
-    log.info("ingest: %d rows from %s into %s", rows, cfg.data.source, out)
-    return {"rows": rows}
+    result = ingest(cfg.data, root, out, quarantine, report).to_dict()
+    log.info("ingest: %s from %s into %s", result, cfg.data.source, out)
+    return result
 
 
 def shard_stage(root: Path, raw: Path, out: Path) -> dict[str, Any]:

@@ -1,22 +1,87 @@
-"""Ingest: snapshot the configured source into data/raw/ as Parquet (DVC tracks it)."""
+"""Ingest: validate the source and snapshot it into data/raw/ as Parquet (DVC tracks it).
+
+Streams chunk by chunk. Outputs are written aside and swapped in only when the whole
+input has been read and accepted, so on any failure data/raw/ and data/quarantine/ stay
+exactly as they were.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from training.atomic import atomic_dir
+from training.atomic import atomic_dir, write_json
 from training.config import DataConfig
-from training.data.sources import load_source
+from training.data.sources import open_chunks
+from training.data.validate import QUARANTINE_SCHEMA, ValidationReport, Validator
 from training.errors import DataError
 
+ROWS_PER_RAW_FILE = 1_000_000
+QUARANTINE_FILE = "quarantine.parquet"
 
-def ingest(cfg: DataConfig, raw_dir: Path) -> int:
-    """Write the source to `raw_dir` (replaced whole, only on success). Returns rows."""
-    table = load_source(cfg)
-    if table.num_rows == 0:
-        raise DataError(f"source {cfg.source!r} produced no rows; check data.max_rows")
-    with atomic_dir(raw_dir) as staging:
-        pq.write_table(table, staging / f"{cfg.source}.parquet")
-    return table.num_rows
+
+class _RollingParquet:
+    """Parquet parts of at most `rows_per_file` rows: part-00000.parquet, ..."""
+
+    def __init__(self, folder: Path, rows_per_file: int) -> None:
+        self.folder, self.rows_per_file = folder, rows_per_file
+        self._writer: pq.ParquetWriter | None = None
+        self._rows = 0
+        self._parts = 0
+
+    def write(self, table: pa.Table) -> None:
+        while table.num_rows:
+            if self._writer is None or self._rows >= self.rows_per_file:
+                self.close()
+                path = self.folder / f"part-{self._parts:05d}.parquet"
+                self._writer = pq.ParquetWriter(path, table.schema)
+                self._parts, self._rows = self._parts + 1, 0
+            take = min(table.num_rows, self.rows_per_file - self._rows)
+            self._writer.write_table(table.slice(0, take))
+            self._rows += take
+            table = table.slice(take)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def ingest(
+    cfg: DataConfig, root: Path, raw_dir: Path, quarantine_dir: Path, report_path: Path
+) -> ValidationReport:
+    validator = Validator(cfg)
+    with atomic_dir(raw_dir) as raw_stage, atomic_dir(quarantine_dir) as q_stage:
+        raw = _RollingParquet(raw_stage, ROWS_PER_RAW_FILE)
+        quarantine = pq.ParquetWriter(q_stage / QUARANTINE_FILE, QUARANTINE_SCHEMA)
+        try:
+            for chunk in open_chunks(cfg, root):
+                accepted, rejected = validator.process(chunk)
+                if accepted.num_rows:
+                    raw.write(accepted)
+                if rejected.num_rows:
+                    quarantine.write_table(rejected)
+        finally:
+            raw.close()
+            quarantine.close()
+        report = validator.report
+        report.rows_quarantined = sum(report.reasons.values())
+        if report.rows_in == 0:
+            raise DataError(
+                f"the {cfg.source} source at {cfg.path!r} has no rows; add data or fix data.path"
+            )
+        if report.rows_quarantined and cfg.on_invalid == "fail":
+            raise DataError(
+                f"invalid input rows, nothing was written.\n{report.describe()}\n"
+                "Fix the input, or set data.on_invalid: quarantine to set bad rows aside "
+                "in data/quarantine/"
+            )
+        if report.rows_accepted == 0:
+            raise DataError(f"no valid rows to train on.\n{report.describe()}")
+        # The invariant the report promises; a mismatch is a bug in validation.
+        if report.rows_in != report.rows_accepted + report.rows_quarantined:
+            raise RuntimeError(f"row accounting broken: {report.to_dict()}")
+    write_json(report_path, report.to_dict())
+    return report

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
+import torch
+import torch.utils.data
 
 from training.data.shards import ShardInfo
 from training.data.sources import FEATURES, LABEL
@@ -52,7 +54,7 @@ class ShardReader:
     def __init__(self, shards: list[ShardInfo]) -> None:
         if not shards:
             raise DataError("no shards to read")
-        self._shards = shards
+        self.shards = shards
         self._offsets = np.cumsum([0] + [s.rows for s in shards])
         self._views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -63,7 +65,7 @@ class ShardReader:
     def _view(self, shard_id: int) -> tuple[np.ndarray, np.ndarray]:
         view = self._views.get(shard_id)
         if view is None:
-            info = self._shards[shard_id]
+            info = self.shards[shard_id]
             try:
                 batch = ipc.open_file(pa.memory_map(str(info.path), "r")).get_batch(0)
             except (OSError, pa.ArrowInvalid) as exc:
@@ -83,16 +85,27 @@ class ShardReader:
         return view
 
     def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        shard_ids = np.searchsorted(self._offsets, indices, side="right") - 1
-        width = self._view(int(shard_ids[0]))[0].shape[1]
-        features = np.empty((len(indices), width), dtype=np.float32)
-        labels = np.empty(len(indices), dtype=np.int64)
-        for shard_id in np.unique(shard_ids):
-            mask = shard_ids == shard_id
-            local = indices[mask] - self._offsets[shard_id]
-            src_x, src_y = self._view(int(shard_id))
-            features[mask] = src_x[local]
-            labels[mask] = src_y[local]
+        """Rows at `indices`, returned in storage order (sorted).
+
+        The order of rows inside a batch does not change what a step learns, and sorting
+        makes each shard's rows one contiguous run, so every row is copied exactly once,
+        straight from the memory map into the batch, in ascending addresses. (np.take
+        with mode="clip" skips the bounds check that would force a buffered copy; the
+        indices are in range by construction.)
+        """
+        rows = np.sort(indices)
+        bounds = np.searchsorted(rows, self._offsets)
+        width = self._view(int(np.searchsorted(self._offsets, rows[0], side="right") - 1))[0]
+        features = np.empty((len(rows), width.shape[1]), dtype=np.float32)
+        labels = np.empty(len(rows), dtype=np.int64)
+        for shard_id in range(len(self.shards)):
+            start, stop = bounds[shard_id], bounds[shard_id + 1]
+            if start == stop:
+                continue
+            local = rows[start:stop] - self._offsets[shard_id]
+            src_x, src_y = self._view(shard_id)
+            np.take(src_x, local, axis=0, out=features[start:stop], mode="clip")
+            np.take(src_y, local, out=labels[start:stop], mode="clip")
         return features, labels
 
 
@@ -118,6 +131,28 @@ class LoaderPosition:
                 "this checkpoint was written by another gradline and cannot resume here"
             )
         return cls(epoch=int(state["epoch"]), batch_index=int(state["batch_index"]))
+
+
+class _RankEpoch(torch.utils.data.IterableDataset):
+    """One rank's batches of one epoch, shareable among DataLoader workers.
+
+    Worker w of n takes global batches start+w, start+w+n, ...; the DataLoader collects
+    them round-robin, so the order is the same as with no workers. Each worker opens
+    its own memory maps (never inherited across the fork).
+    """
+
+    def __init__(self, shards: list[ShardInfo], plan: dict) -> None:
+        self.shards, self.plan = shards, plan
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        reader = ShardReader(self.shards)
+        p = self.plan
+        order = epoch_permutation(reader.num_rows, p["seed"], p["epoch"])
+        for k in range(p["start"] + worker, p["batches"], workers):
+            x, y = reader.gather(order[rank_slice(k, p["global_batch"], p["world_size"], p["rank"])])
+            yield torch.from_numpy(x), torch.from_numpy(y)
 
 
 class RankLoader:
@@ -152,6 +187,30 @@ class RankLoader:
         for k in range(start, self.batches_per_epoch):
             positions = rank_slice(k, self.global_batch, self.world_size, self.rank)
             yield self.reader.gather(order[positions])
+
+    def tensors(
+        self, epoch: int, start: int = 0, workers: int = 0, pin_memory: bool = False
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The same batches as torch tensors (no copy), optionally from worker processes."""
+        if workers == 0:
+            for x, y in self.batches(epoch, start):
+                yield torch.from_numpy(x), torch.from_numpy(y)
+            return
+        plan = {
+            "seed": self.seed,
+            "epoch": epoch,
+            "start": start,
+            "batches": self.batches_per_epoch,
+            "global_batch": self.global_batch,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
+        yield from torch.utils.data.DataLoader(
+            _RankEpoch(self.reader.shards, plan),
+            batch_size=None,
+            num_workers=workers,
+            pin_memory=pin_memory,
+        )
 
 
 def open_reader(shard_dir: Path, manifest: dict, split: str) -> ShardReader:

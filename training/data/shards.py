@@ -21,23 +21,21 @@ import pyarrow.parquet as pq
 
 from training.atomic import atomic_dir, write_json
 from training.config import ShardConfig
-from training.data.sources import FEATURES, LABEL, ROW_KEY
+from training.data.hashing import unit_interval
+from training.data.sources import ROW_KEY, classes_of, shape_of
 from training.errors import DataError
 
 SPLITS = ("train", "val", "test")
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+_SPLIT_SALT = 0x5EED_5B11
 
 
-def split_of(row_key: str, val_fraction: float, test_fraction: float) -> str:
-    """Stable split assignment: blake2b of the key mapped to [0, 1)."""
-    digest = hashlib.blake2b(row_key.encode(), digest_size=8).digest()
-    u = int.from_bytes(digest, "big") / 2**64
-    if u < test_fraction:
-        return "test"
-    if u < test_fraction + val_fraction:
-        return "val"
-    return "train"
+def split_codes(keys: np.ndarray, val_fraction: float, test_fraction: float) -> np.ndarray:
+    """0 train, 1 val, 2 test: a pure function of each row's key, so a row keeps its split
+    however many rows are added around it."""
+    u = unit_interval(keys, _SPLIT_SALT)
+    return np.where(u < test_fraction, 2, np.where(u < test_fraction + val_fraction, 1, 0))
 
 
 def file_sha256(path: Path) -> str:
@@ -48,49 +46,87 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _read_raw(raw_dir: Path) -> pa.Table:
+def _raw_files(raw_dir: Path) -> list[Path]:
     files = sorted(raw_dir.glob("*.parquet"))
     if not files:
         raise DataError(f"no Parquet files in {raw_dir}; run the ingest stage first")
-    return pa.concat_tables(pq.read_table(f) for f in files)
+    return files
 
 
-def _write_shard(table: pa.Table, path: Path) -> dict[str, Any]:
-    # One record batch per file, uncompressed: a memory-mapped reader views it zero-copy.
-    batch = table.combine_chunks().to_batches(max_chunksize=max(table.num_rows, 1))[0]
-    with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as writer:
-        writer.write_batch(batch)
-    return {"file": path.name, "rows": table.num_rows, "sha256": file_sha256(path)}
+class _SplitWriter:
+    """Buffers one split's rows and writes a shard each time the buffer reaches the target
+    size: memory stays about one shard per split, whatever the data size."""
+
+    def __init__(self, name: str, folder: Path, target_bytes: int) -> None:
+        self.name, self.folder, self.target_bytes = name, folder, target_bytes
+        self.pending: list[pa.Table] = []
+        self.pending_bytes = 0
+        self.shards: list[dict[str, Any]] = []
+        self.rows = 0
+
+    def add(self, table: pa.Table) -> None:
+        if not table.num_rows:
+            return
+        self.pending.append(table)
+        self.pending_bytes += table.nbytes
+        if self.pending_bytes >= self.target_bytes:
+            buffered = pa.concat_tables(self.pending)
+            rows_per_shard = max(1, int(self.target_bytes * buffered.num_rows / buffered.nbytes))
+            while buffered.num_rows >= rows_per_shard:
+                self._write(buffered.slice(0, rows_per_shard))
+                buffered = buffered.slice(rows_per_shard)
+            self.pending = [buffered] if buffered.num_rows else []
+            self.pending_bytes = buffered.nbytes if buffered.num_rows else 0
+
+    def flush(self) -> None:
+        if self.pending:
+            self._write(pa.concat_tables(self.pending))
+            self.pending, self.pending_bytes = [], 0
+
+    def _write(self, table: pa.Table) -> None:
+        table = table.combine_chunks()
+        path = self.folder / f"{self.name}-{len(self.shards):05d}.arrow"
+        # One record batch per file, uncompressed: a memory-mapped reader views it zero-copy.
+        batch = table.to_batches(max_chunksize=table.num_rows)[0]
+        with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as writer:
+            writer.write_batch(batch)
+        self.shards.append({"file": path.name, "rows": table.num_rows, "sha256": file_sha256(path)})
+        self.rows += table.num_rows
 
 
-def write_shards(cfg: ShardConfig, raw_dir: Path, out_dir: Path, data_version: str) -> dict:
+def write_shards(
+    cfg: ShardConfig, raw_dir: Path, out_dir: Path, data_version: str, batch_rows: int = 65536
+) -> dict:
     """Split and shard `raw_dir` into `out_dir` (replaced whole, only on success)."""
-    table = _read_raw(raw_dir)
-    keys = table.column(ROW_KEY).to_pylist()
-    split = np.array([split_of(k, cfg.val_fraction, cfg.test_fraction) for k in keys])
-    width = table.schema.field(FEATURES).type.list_size
-    labels = table.column(LABEL).to_numpy()
-    manifest: dict[str, Any] = {
-        "version": MANIFEST_VERSION,
-        "data_version": data_version,
-        "schema": {f.name: str(f.type) for f in table.schema},
-        "feature_shape": [width],
-        "num_classes": int(labels.max()) + 1,
-        "splits": {},
-    }
+    files = _raw_files(raw_dir)
+    schema = pq.read_schema(files[0])
+    target = max(1, int(cfg.target_shard_mb * 2**20))
     with atomic_dir(out_dir) as staging:
-        for name in SPLITS:
-            part = table.filter(pa.array(split == name))
-            shards = []
-            for n, start in enumerate(range(0, part.num_rows, cfg.rows_per_shard)):
-                chunk = part.slice(start, cfg.rows_per_shard)
-                shards.append(_write_shard(chunk, staging / f"{name}-{n:05d}.arrow"))
-            if not shards:
+        writers = [_SplitWriter(name, staging, target) for name in SPLITS]
+        total = 0
+        for path in files:
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
+                table = pa.Table.from_batches([batch], schema=schema)
+                keys = table.column(ROW_KEY).to_numpy()
+                codes = split_codes(keys, cfg.val_fraction, cfg.test_fraction)
+                for code, writer in enumerate(writers):
+                    writer.add(table.filter(pa.array(codes == code)))
+                total += table.num_rows
+        for writer in writers:
+            writer.flush()
+            if not writer.shards:
                 raise DataError(
-                    f"split {name!r} is empty ({table.num_rows} rows in all); "
-                    "use more rows (data.max_rows) or larger shard fractions"
+                    f"split {writer.name!r} is empty ({total} rows in all); use more rows "
+                    "(data.max_rows) or larger shard.val_fraction / shard.test_fraction"
                 )
-            manifest["splits"][name] = {"rows": part.num_rows, "shards": shards}
+        manifest: dict[str, Any] = {
+            "version": MANIFEST_VERSION,
+            "data_version": data_version,
+            "schema": {f.name: str(f.type) for f in schema},
+            "feature_shape": list(shape_of(schema)),
+            "num_classes": classes_of(schema),
+            "splits": {w.name: {"rows": w.rows, "shards": w.shards} for w in writers},
+        }
         write_json(staging / MANIFEST, manifest)
     return manifest
 
