@@ -3,6 +3,7 @@ with the ephemeral Prefect API, DVC and the SQLite MLflow store; then `dvc repro
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -103,14 +104,14 @@ def test_run_trains_evaluates_and_registers(project: Path) -> None:
     assert int(champion.version) == 1
     run = client.get_run(champion.run_id)
     lock = yaml.safe_load((project / "dvc.lock").read_text())
-    raw_md5 = next(o["md5"] for o in lock["stages"]["ingest"]["outs"])
+    raw_md5 = next(o["md5"] for o in lock["stages"]["ingest"]["outs"] if o["path"] == "data/raw")
     assert run.data.tags["gradline.data_version"] == raw_md5
     assert run.data.tags["gradline.prefect_flow_run_id"]
     assert len(run.data.tags["mlflow.source.git.commit"]) == 40
     assert run.data.params["train.epochs"] == "8"
     (dataset,) = [d.dataset for d in run.inputs.dataset_inputs]
     assert dataset.digest == raw_md5 and dataset.name == "digits-raw"
-    assert dataset.source.endswith("data/raw")
+    assert json.loads(dataset.source)["uri"].endswith("/data/raw")
     assert run.data.metrics["test_accuracy"] > 0.8
     for key in ("test_macro_f1", "test_loss", "val_accuracy", "samples_per_s"):
         assert key in run.data.metrics

@@ -86,11 +86,15 @@ def open_job_run(
 def log_dataset(mlflow_client, run_id: str, cfg: Config, root: Path, data_version: str) -> None:
     """Record the training data as a dataset input: the UI shows which data trained the
     model, with the DVC md5 as its digest (`dvc checkout` of that version restores it)."""
-    from mlflow.data.artifact_dataset_sources import LocalArtifactDatasetSource
+    import warnings
+
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
 
-    source = LocalArtifactDatasetSource((root / "data" / "raw").resolve().as_uri())
+    with warnings.catch_warnings():  # two registered classes claim local paths; either fits
+        warnings.simplefilter("ignore", UserWarning)
+        source = resolve_dataset_source((root / "data" / "raw").resolve().as_uri())
     dataset = MetaDataset(source=source, name=f"{cfg.data.source}-raw", digest=data_version)
     mlflow_client.log_inputs(
         run_id,
