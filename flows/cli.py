@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except GradlineError as exc:
         print(f"gradline: error: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", 2)
 
 
 if __name__ == "__main__":

@@ -34,3 +34,17 @@ def test_truncated_latest_falls_back_with_warning(tmp_path, caplog) -> None:
 
 def test_no_checkpoint_means_fresh_start(tmp_path) -> None:
     assert load_latest(tmp_path / "missing") is None
+
+
+def test_async_checkpointer_writes_a_snapshot_not_the_live_state(tmp_path) -> None:
+    from training.checkpoint import Checkpointer
+
+    saved = []
+    writer = Checkpointer(tmp_path, keep=2, asynchronous=True, on_saved=lambda *a: saved.append(a))
+    live = {"model": {"w": torch.zeros(3)}}
+    writer.save(5, live, {"train_loss": 1.0})
+    live["model"]["w"] += 7  # training goes on while the writer thread works
+    writer.close()
+    _, state = load_latest(tmp_path)
+    assert torch.equal(state["model"]["w"], torch.zeros(3))
+    assert saved[0][1:] == (5, {"train_loss": 1.0})

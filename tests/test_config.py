@@ -50,7 +50,7 @@ def test_unknown_section_is_named(params: Path) -> None:
         ("trian.lr=1", "unknown section 'trian'"),
         ("train.rate=1", r"unknown key train\.rate; keys in train are world_size"),
         ("train.lr=-1", r"train\.lr: Input should be greater than 0"),
-        ("train.world_size=3", r"multiple of train\.world_size"),
+        ("train.world_size=3", r"multiple of train\.world_size x train\.grad_accum_steps"),
         ("shard.test_fraction=0.9", "must be below 1"),
         ("train.backend=mpi", r"train\.backend: Input should be 'auto', 'gloo' or 'nccl'"),
     ],
@@ -73,7 +73,7 @@ def test_overrides_are_recorded_keeping_comments(params: Path) -> None:
     assert cfg.train.seed == 7 and cfg.data.max_rows == 100
     text = params.read_text()
     assert "  seed: 7" in text and "max_rows: 100" in text
-    assert "# global batch, split evenly across ranks" in text
+    assert "# global batch per optimizer step, split evenly across ranks" in text
     assert load_config(params) == cfg  # the file alone now reproduces the run
     write_overrides(params, ["data.max_rows=null", "train.lr=1e-2"])
     assert "max_rows: null" in params.read_text()

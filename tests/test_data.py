@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -193,3 +194,16 @@ def test_reader_gathers_across_shards(tiny_shards) -> None:
     singles = [reader.gather(np.array([i])) for i in sorted(idx)]
     assert np.array_equal(x, np.concatenate([s[0] for s in singles]))
     assert np.array_equal(y, np.concatenate([s[1] for s in singles]))
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_workers_yield_the_same_batches_in_order(tiny_shards) -> None:
+    manifest = read_manifest(tiny_shards)
+    loader = RankLoader(
+        open_reader(tiny_shards, manifest, "train"), rank=1, world_size=2, global_batch=32, seed=2
+    )
+    inline = list(loader.tensors(epoch=3, start=2))
+    pooled = list(loader.tensors(epoch=3, start=2, workers=2))
+    assert len(inline) == len(pooled) == loader.batches_per_epoch - 2
+    for (xa, ya), (xb, yb) in zip(inline, pooled, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)

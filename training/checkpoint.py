@@ -82,3 +82,59 @@ def load_latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
         except CorruptCheckpoint as exc:
             log.warning("skipping checkpoint: %s; falling back to the previous one", exc)
     return None
+
+
+def snapshot(value: Any) -> Any:
+    """A CPU copy of a (nested) state dict, safe to write while training goes on."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: snapshot(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(snapshot(v) for v in value)
+    return value
+
+
+class Checkpointer:
+    """Rank 0's checkpoint writer. Asynchronous by default: the loop pays only for a CPU
+    snapshot of the state; serialising, fsync and the MLflow record happen on a writer
+    thread, one save in flight at a time. `save` returns the seconds the loop stalled.
+    """
+
+    def __init__(self, directory: Path, keep: int, asynchronous: bool, on_saved=None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.directory, self.keep, self.asynchronous = directory, keep, asynchronous
+        self.on_saved = on_saved
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if asynchronous else None
+        )
+        self._pending = None
+
+    def _write(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> Path:
+        path = save_checkpoint(self.directory, step, state, self.keep)
+        if self.on_saved is not None:
+            self.on_saved(path, step, metrics)
+        return path
+
+    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> float:
+        import time
+
+        started = time.perf_counter()
+        self.wait()
+        if self._pool is None:
+            self._write(step, state, metrics)
+        else:
+            self._pending = self._pool.submit(self._write, step, snapshot(state), dict(metrics))
+        return time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Block until the save in flight is on disk; re-raise its error if it failed."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()

@@ -100,24 +100,41 @@ class TrainConfig(_Section):
     world_size: int = Field(2, ge=1, description="worker processes (one per GPU on CUDA)")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     epochs: int = Field(30, ge=1)
-    batch_size: int = Field(64, ge=1, description="global batch, split evenly across ranks")
+    batch_size: int = Field(64, ge=1, description="global batch per optimizer step")
+    grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
     lr: float = Field(0.003, gt=0.0)
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    warmup_steps: int = Field(20, ge=0, description="linear warmup before the schedule")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine floor, times lr")
     weight_decay: float = Field(0.0001, ge=0.0)
+    grad_clip: float = Field(1.0, ge=0.0, description="max gradient norm; 0 disables")
     hidden: int = Field(128, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     seed: int = Field(0, ge=0)
-    checkpoint_every: int = Field(5, ge=1, description="epochs between checkpoints")
+    deterministic: bool = Field(True, description="deterministic kernels: bitwise resume")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU"
+    )
+    compile: bool = Field(False, description="torch.compile the model")
+    checkpoint_every_steps: int = Field(100, ge=1)
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk")
+    async_checkpoint: bool = Field(True, description="write checkpoints off the hot loop")
+    log_every_steps: int = Field(20, ge=1, description="metrics and time breakdown interval")
+    control_every_steps: int = Field(10, ge=1, description="steps between preemption checks")
+    straggler_factor: float = Field(1.5, gt=1.0, description="busy time over the median rank")
+    collective_timeout_s: float = Field(300.0, gt=0.0, description="a stalled rank fails then")
     max_restarts: int = Field(3, ge=0, description="elastic restarts after a worker failure")
     threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per rank")
     loader_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
 
     @model_validator(mode="after")
     def _batch_splits_evenly(self) -> TrainConfig:
-        if self.batch_size % self.world_size:
+        share = self.world_size * self.grad_accum_steps
+        if self.batch_size % share:
             raise ValueError(
                 f"train.batch_size ({self.batch_size}) must be a multiple of "
-                f"train.world_size ({self.world_size}) so every rank gets the same share"
+                f"train.world_size x train.grad_accum_steps ({share}) so every rank and "
+                "micro-batch gets the same share"
             )
         return self
 

@@ -50,16 +50,35 @@ def process_group(ctx: DistContext, timeout_s: float = 300.0) -> Iterator[None]:
     """Join the job's process group for the duration of the block, then leave it."""
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=ctx.backend,
         rank=ctx.rank,
         world_size=ctx.world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
+        store=_attempt_store(ctx, timeout),
     )
     try:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def _attempt_store(ctx: DistContext, timeout: timedelta) -> dist.Store | None:
+    """Under torch.distributed.elastic, the agent's store outlives a restart, and so do the
+    keys the previous attempt's ranks published (their gloo addresses): a restarted rank
+    could read a dead peer's address. A prefix per attempt keeps every attempt apart."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # plain env:// rendezvous
+    store = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=ctx.world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"gradline/attempt-{attempt}", store)
 
 
 def wrap_data_parallel(model: nn.Module, ctx: DistContext) -> DistributedDataParallel:

@@ -1,18 +1,36 @@
-"""Start N workers under torch.distributed.elastic and wait for them.
+"""Start N workers under torch.distributed.elastic, watch for preemption, explain failures.
 
-The elastic agent owns starting, watching and restarting worker processes: a worker
-that dies makes it restart all of them (up to train.max_restarts), and they resume from
-the latest checkpoint.
+The elastic agent owns starting, watching and restarting workers: when one dies, it
+restarts all of them (up to train.max_restarts) and they resume from the latest
+checkpoint. SIGTERM to this process (a preemption) is not forwarded as a kill: it
+becomes a stop request that every rank sees at its next control step, so they
+checkpoint together and exit; the job then ends with PREEMPTED_EXIT_CODE.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from training.loop import TrainJob, worker_main
+from training.errors import GradlineError
+from training.health import clear, describe, read_beats, read_failures
+from training.loop import HEARTBEATS, PREEMPT_FILE, TrainJob, worker_main
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request, state saved, run again to resume
+
+
+class TrainingFailed(GradlineError):
+    """Workers failed past the restart budget; the message names the rank(s)."""
+
+
+class Preempted(GradlineError):
+    exit_code = PREEMPTED_EXIT_CODE
 
 
 def free_port() -> int:
@@ -21,12 +39,47 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _stop_requests_become_files(checkpoint_dir: Path) -> Iterator[None]:
+    request = checkpoint_dir / PREEMPT_FILE
+    request.unlink(missing_ok=True)
+
+    def on_term(signum, _frame) -> None:
+        request.touch()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        request.unlink(missing_ok=True)
+
+
+def _explain(exc: Exception, health_dir: Path, attempts: int) -> str:
+    lines = [f"training failed after {attempts} attempt(s):"]
+    recorded = read_failures(health_dir)
+    for n, record in enumerate(recorded):
+        cause = "root cause" if n == 0 else "then"
+        lines.append(f"  {cause}: rank {record['rank']} raised {record['error']}")
+    named = {r["rank"] for r in recorded}
+    for rank, failure in sorted(getattr(exc, "failures", {}).items()):
+        if rank not in named:
+            lines.append(f"  rank {rank} exited with code {failure.exitcode}")
+    if hang := describe(read_beats(health_dir)):
+        lines.append(f"  progress: {hang}")
+    lines.append("  the latest checkpoint is kept; run again to resume from it")
+    return "\n".join(lines)
+
+
 def launch_workers(job: TrainJob, world_size: int, max_restarts: int) -> dict[str, Any]:
     """Run `worker_main(job)` on `world_size` local ranks; return rank 0's result."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     threads = str(job.config["train"]["threads_per_worker"])
     os.environ.setdefault("OMP_NUM_THREADS", threads)
+    checkpoint_dir = Path(job.checkpoint_dir)
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -37,6 +90,20 @@ def launch_workers(job: TrainJob, world_size: int, max_restarts: int) -> dict[st
         max_restarts=max_restarts,
         monitor_interval=0.5,
         start_method="spawn",
+        # SIGTERM is ours (a graceful stop request), not the agent's (kill the workers).
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
     )
-    results = elastic_launch(config, worker_main)(job)
-    return results[0]
+    health_dir = checkpoint_dir / HEARTBEATS
+    clear(health_dir)
+    with _stop_requests_become_files(checkpoint_dir):
+        try:
+            results = elastic_launch(config, worker_main)(job)
+        except ChildFailedError as exc:
+            raise TrainingFailed(_explain(exc, health_dir, max_restarts + 1)) from exc
+    result = results[0]
+    if result.get("preempted"):
+        raise Preempted(
+            f"stopped on request at step {result['step']}; checkpoint saved in "
+            f"{checkpoint_dir}. Run the same job again to resume"
+        )
+    return result

@@ -44,7 +44,7 @@ def shard_stage(root: Path, raw: Path, out: Path) -> dict[str, Any]:
 def train_stage(
     root: Path, shards: Path, model_dir: Path, checkpoints: Path, result: Path
 ) -> dict[str, Any]:
-    from training.launch import launch_workers
+    from training.launch import Preempted, launch_workers
     from training.loop import TrainJob, load_model
     from training.runs import log_final_model, mark_complete, open_job_run, set_status
 
@@ -68,6 +68,9 @@ def train_stage(
     )
     try:
         final = launch_workers(train_job, cfg.train.world_size, cfg.train.max_restarts)
+    except Preempted:
+        set_status(tracking_uri, job.run_id, "KILLED")  # resumable: the next run continues it
+        raise
     except BaseException:
         set_status(tracking_uri, job.run_id, "FAILED")
         raise

@@ -10,7 +10,6 @@ import logging
 import os
 import subprocess
 from pathlib import Path
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -77,26 +76,54 @@ class NullTracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass
 
-    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+    def log_checkpoint(self, path: Path, step: int, metrics: dict[str, float]) -> None:
         pass
 
-    def flush(self) -> None:
+    def set_tag(self, key: str, value: str) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
 class MlflowTracker:
-    """Rank 0's writer into an existing run. Metrics are buffered and sent in batches.
+    """Rank 0's writer into an existing run, off the training thread.
 
-    After a restart, steps the run already holds are recomputed identically; they are
-    not sent again, so each metric has one value per step.
+    The loop only puts items on a queue; a daemon thread sends them in batches, so a
+    slow tracking store never stalls a step. After a restart, steps the run already
+    holds are recomputed identically and not sent again: one value per metric and step.
     """
 
-    def __init__(self, tracking_uri: str, run_id: str, flush_every: int = 200) -> None:
+    def __init__(self, tracking_uri: str, run_id: str) -> None:
+        import queue
+        import threading
+
         self._client = client(tracking_uri)
         self.run_id = run_id
-        self._flush_every = flush_every
-        self._pending: list[Any] = []
+        self._queue: queue.Queue = queue.Queue()
         self._logged_until: dict[str, int] = {}
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._drain, name="mlflow-tracker", daemon=True)
+        self._thread.start()
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._queue.put(("metrics", dict(metrics), step, _now_ms()))
+
+    def set_tag(self, key: str, value: str) -> None:
+        self._queue.put(("tag", key, value))
+
+    def log_checkpoint(self, path: Path, step: int, metrics: dict[str, float]) -> None:
+        """Called from the checkpoint writer's thread once the file is on disk: record the
+        checkpoint and the metrics of its step under checkpoints/step-NNNNNNNN/."""
+        folder = f"checkpoints/step-{step:08d}"
+        self._client.log_artifact(self.run_id, str(path), folder)
+        self._client.log_dict(self.run_id, {"step": step, **metrics}, f"{folder}/metrics.json")
+
+    def close(self) -> None:
+        self._queue.put(("stop",))
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
     def _last_logged_step(self, key: str) -> int:
         if key not in self._logged_until:
@@ -104,26 +131,36 @@ class MlflowTracker:
             self._logged_until[key] = max((m.step for m in history), default=-1)
         return self._logged_until[key]
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
+    def _drain(self) -> None:
+        from mlflow.entities import Metric, RunTag
 
-        now = _now_ms()
-        for key, value in metrics.items():
-            if step <= self._last_logged_step(key):
-                continue
-            self._pending.append(Metric(key, float(value), now, step))
-            self._logged_until[key] = step
-        if len(self._pending) >= self._flush_every:
-            self.flush()
-
-    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self._client.log_artifact(self.run_id, str(path), artifact_path)
-
-    def flush(self) -> None:
-        # MLflow accepts at most 1000 metrics per batch.
-        while self._pending:
-            chunk, self._pending = self._pending[:1000], self._pending[1000:]
-            self._client.log_batch(self.run_id, metrics=chunk)
+        stopping = False
+        while not stopping:
+            items = [self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            metrics, tags = [], []
+            for item in items:
+                if item[0] == "stop":
+                    stopping = True
+                elif item[0] == "tag":
+                    tags.append(RunTag(item[1], item[2]))
+                else:
+                    _, values, step, stamp = item
+                    for key, value in values.items():
+                        if step > self._last_logged_step(key):
+                            metrics.append(Metric(key, float(value), stamp, step))
+                            self._logged_until[key] = step
+            try:
+                for start in range(0, max(len(metrics), 1), 1000):  # MLflow's batch limit
+                    chunk = metrics[start : start + 1000]
+                    if chunk or (tags and start == 0):
+                        self._client.log_batch(
+                            self.run_id, metrics=chunk, tags=tags if start == 0 else []
+                        )
+            except Exception as exc:  # keep training; report at close
+                log.error("MLflow logging failed: %s", exc)
+                self._error = self._error or exc
 
 
 def _now_ms() -> int:
@@ -136,3 +173,20 @@ def make_tracker(is_main: bool, tracking_uri: str | None, run_id: str | None):
     if is_main and tracking_uri and run_id:
         return MlflowTracker(tracking_uri, run_id)
     return NullTracker()
+
+
+def system_metrics() -> dict[str, float]:
+    """CPU and memory of this machine and process; GPU memory when CUDA is in use."""
+    import psutil
+    import torch
+
+    process = psutil.Process()
+    metrics = {
+        "system_cpu_percent": psutil.cpu_percent(interval=None),
+        "system_memory_percent": psutil.virtual_memory().percent,
+        "process_rss_gb": process.memory_info().rss / 2**30,
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        metrics["gpu_memory_allocated_gb"] = torch.cuda.memory_allocated() / 2**30
+        metrics["gpu_max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return metrics

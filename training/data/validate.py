@@ -188,6 +188,14 @@ class Validator:
             )
             return matrix
         column = table.column(plan.tensor).combine_chunks()
+        fixed = pa.types.is_fixed_size_list(column.type)
+        if fixed and self.shape and column.type.list_size == math.prod(self.shape):
+            values = column.flatten()
+            if column.null_count == 0 and values.null_count == 0:
+                # Already the right shape and complete: view it, no per-row work.
+                return values.to_numpy(zero_copy_only=False).reshape(n, -1).astype(
+                    np.float32, copy=False
+                )
         _mark(bad, reason, column.is_null().to_numpy(zero_copy_only=False), "null value")
         lengths = pc.fill_null(pc.list_value_length(column), -1).to_numpy()
         if self.shape is None:  # infer from the first non-null value
@@ -239,9 +247,9 @@ class Validator:
         self.report.rows_in += n
         good = ~bad
         self.report.rows_accepted += int(good.sum())
-        accepted = normalized_table(
-            keys[good], features[good].reshape(-1, *self.shape), labels[good], classes
-        )
+        if bad.any():
+            keys, features, labels = keys[good], features[good], labels[good]
+        accepted = normalized_table(keys, features.reshape(-1, *self.shape), labels, classes)
         bad_rows = np.flatnonzero(bad)
         quarantined = self._quarantine(chunk, bad_rows, reason, table)
         return accepted, quarantined

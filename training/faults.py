@@ -1,0 +1,77 @@
+"""Fault injection for tests and drills, read from GRADLINE_FAULT in each worker.
+
+Format: `KIND:rank=R:step=S[:seconds=X][:attempt=A]`, several separated by `;`.
+  kill   - SIGKILL this worker when it reaches step S (on restart attempt A, default 0)
+  fail   - raise at step S on every attempt
+  stall  - stop making progress at step S (sleeps `seconds`, default forever)
+  slow   - sleep `seconds` in every step from step S on (a straggler)
+Unset, it costs one attribute check per step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+ENV = "GRADLINE_FAULT"
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    seconds: float = 0.0
+    attempt: int = 0
+
+
+def parse(spec: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        kind, *fields = item.split(":")
+        values = dict(f.split("=", 1) for f in fields)
+        if kind not in ("kill", "fail", "stall", "slow"):
+            raise ValueError(f"{ENV}: unknown fault kind {kind!r} in {item!r}")
+        faults.append(
+            Fault(
+                kind,
+                int(values.get("rank", 0)),
+                int(values.get("step", 0)),
+                float(values.get("seconds", 0.0)),
+                int(values.get("attempt", 0)),
+            )
+        )
+    return faults
+
+
+class FaultPlan:
+    def __init__(self, faults: list[Fault], rank: int) -> None:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.faults = [f for f in faults if f.rank == rank]
+        self.attempt = attempt
+        self.active = bool(self.faults)
+
+    @classmethod
+    def from_env(cls, rank: int) -> FaultPlan:
+        return cls(parse(os.environ.get(ENV, "")), rank)
+
+    def at_step(self, step: int) -> None:
+        if not self.active:
+            return
+        for fault in self.faults:
+            if fault.kind == "slow" and step >= fault.step:
+                time.sleep(fault.seconds)
+            elif step != fault.step:
+                continue
+            elif fault.kind == "kill" and self.attempt == fault.attempt:
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "fail":
+                raise InjectedFailure(f"injected failure at step {step}")
+            elif fault.kind == "stall":
+                time.sleep(fault.seconds or 10**6)

@@ -1,0 +1,111 @@
+"""Where the time goes, per rank, and who is the straggler.
+
+Each step is cut into phases: waiting for data, forward+backward compute, exposed
+gradient-synchronisation wait, optimizer step and checkpoint stall. Synchronisation is
+measured by a DDP communication hook that all-reduces exactly like DDP's default (mean
+of gradients) and notes when the last bucket was launched: what backward spends after
+that is time waiting for the other ranks (communication not hidden behind compute).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+PHASES = ("data_wait", "compute", "sync_wait", "optimizer", "checkpoint_stall")
+
+
+class SyncTimer:
+    """A DDP comm hook with the default semantics plus timestamps."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.last_launch = 0.0
+
+    # No annotations: DDP inspects them, and this module's are strings (future import).
+    def hook(self, _state, bucket):
+        self.last_launch = time.perf_counter()
+        tensor = bucket.buffer().div_(self.world_size)
+        future = dist.all_reduce(tensor, async_op=True).get_future()
+        return future.then(lambda fut: fut.value()[0])
+
+
+class StepTimes:
+    """Seconds per phase summed over a logging interval, plus the wall time."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+        self.started = time.perf_counter()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+    def vector(self) -> torch.Tensor:
+        wall = time.perf_counter() - self.started
+        return torch.tensor(
+            [*(self.seconds[p] for p in PHASES), self.steps, wall], dtype=torch.float64
+        )
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    rank: int
+    per_step: dict[str, float]  # seconds per step in each phase
+    busy: float  # seconds per step not spent waiting for other ranks
+
+    @classmethod
+    def from_vector(cls, rank: int, row: list[float]) -> RankTimes:
+        steps = max(row[len(PHASES)], 1.0)
+        per_step = {p: row[i] / steps for i, p in enumerate(PHASES)}
+        per_step["wall"] = row[len(PHASES) + 1] / steps
+        return cls(rank, per_step, per_step["wall"] - per_step["sync_wait"])
+
+
+def gather_times(times: StepTimes, world_size: int) -> list[RankTimes]:
+    """All ranks' interval times, on every rank (one all-gather per interval)."""
+    mine = times.vector()
+    rows = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(rows, mine)
+    return [RankTimes.from_vector(r, row.tolist()) for r, row in enumerate(rows)]
+
+
+# Per-step gaps smaller than this are scheduler noise on a busy host, not a slow rank.
+MIN_STRAGGLER_GAP_S = 0.002
+
+
+def find_stragglers(ranks: list[RankTimes], factor: float) -> list[tuple[int, float]]:
+    """(rank, busy / median busy of the other ranks) for ranks slower than `factor` times
+    that median (and by more than MIN_STRAGGLER_GAP_S per step).
+
+    In a synchronous step every rank's wall time is the same; the slow one is the rank
+    that is busy (not waiting in sync) much longer than the others.
+    """
+    found = []
+    for r in ranks:
+        others = [o.busy for o in ranks if o.rank != r.rank]
+        if not others:
+            continue
+        median = statistics.median(others)
+        if median > 0 and r.busy > factor * median and r.busy - median > MIN_STRAGGLER_GAP_S:
+            found.append((r.rank, r.busy / median))
+    return found
+
+
+def interval_metrics(ranks: list[RankTimes]) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for r in ranks:
+        for phase, seconds in r.per_step.items():
+            metrics[f"time_{phase}_s/rank{r.rank}"] = seconds
+    wall = max(r.per_step["wall"] for r in ranks)
+    for phase in PHASES:
+        mean = sum(r.per_step[phase] for r in ranks) / len(ranks)
+        metrics[f"time_fraction_{phase}"] = mean / wall if wall > 0 else 0.0
+    return metrics
