@@ -119,7 +119,7 @@ class TrainConfig(_Section):
     checkpoint_every_steps: int = Field(100, ge=1)
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk")
     async_checkpoint: bool = Field(True, description="write checkpoints off the hot loop")
-    log_every_steps: int = Field(20, ge=1, description="metrics and time breakdown interval")
+    log_every_steps: int = Field(50, ge=1, description="metrics and time breakdown interval")
     control_every_steps: int = Field(10, ge=1, description="steps between preemption checks")
     straggler_factor: float = Field(1.5, gt=1.0, description="busy time over the median rank")
     collective_timeout_s: float = Field(300.0, gt=0.0, description="a stalled rank fails then")

@@ -191,6 +191,7 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, Any] | None
     losses: list[torch.Tensor] = []
     last_metrics: dict[str, float] = {}
     stragglers: dict[int, dict[str, float]] = {}
+    intervals = [0]  # logging intervals done in this attempt
 
     def checkpoint_state() -> dict[str, Any]:
         return {
@@ -219,7 +220,11 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, Any] | None
         metrics = {"lr": optimizer.param_groups[0]["lr"], **interval_metrics(ranks)}
         wall = max(r.per_step["wall"] for r in ranks)
         metrics["samples_per_s"] = tc.batch_size / wall if wall > 0 else 0.0
-        for rank, ratio in find_stragglers(ranks, tc.straggler_factor):
+        intervals[0] += 1
+        # The first interval of an attempt holds start-up effects (lazy allocations,
+        # cold caches, ranks starting apart): it says nothing about a slow rank.
+        suspects = find_stragglers(ranks, tc.straggler_factor) if intervals[0] > 1 else []
+        for rank, ratio in suspects:
             metrics[f"straggler_ratio/rank{rank}"] = ratio
             seen = stragglers.setdefault(rank, {"intervals": 0, "worst_ratio": 0.0})
             seen["intervals"] += 1
@@ -235,14 +240,16 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, Any] | None
 
     # --- the loop -------------------------------------------------------------------
     preempted = False
+    on_gpu = ctx.device.type == "cuda"
     for epoch in range(position.epoch, tc.epochs):
         start = position.batch_index if epoch == position.epoch else 0
-        batches = loader.tensors(epoch, start, tc.loader_workers, ctx.device.type == "cuda")
+        batches = loader.tensors(epoch, start, tc.loader_workers, on_gpu)
         for index in range(start, loader.batches_per_epoch):
             heartbeat.beat(step, "data")
             waited = time.perf_counter()
             x, y = next(batches)
-            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+            if on_gpu:
+                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
             times.add("data_wait", time.perf_counter() - waited)
             faults.at_step(step)
 

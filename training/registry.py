@@ -54,6 +54,9 @@ def register_and_gate(
 ) -> Registration:
     import mlflow
 
+    # Set first: `reevaluate` loads the champion through these URIs.
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
     mlflow_client = client(tracking_uri)
     # Registering is idempotent per run: a pipeline re-run that trained nothing new
     # reports the version it already made instead of adding a duplicate.
@@ -63,8 +66,6 @@ def register_and_gate(
         alias = ",".join(version.aliases) or "(no alias)"
         return Registration(model_name, int(version.version), alias, test_accuracy, None)
     champion_accuracy = _champion_accuracy(mlflow_client, model_name, test_digest, reevaluate)
-    mlflow.set_registry_uri(tracking_uri)
-    mlflow.set_tracking_uri(tracking_uri)
     version = mlflow.register_model(model_uri, model_name, tags={"gradline.run_id": run_id})
     if description:
         mlflow_client.update_model_version(model_name, version.version, description=description)
