@@ -10,10 +10,12 @@ Unset, it costs one attribute check per step.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 ENV = "GRADLINE_FAULT"
 
@@ -51,15 +53,16 @@ def parse(spec: str) -> list[Fault]:
 
 
 class FaultPlan:
-    def __init__(self, faults: list[Fault], rank: int) -> None:
+    def __init__(self, faults: list[Fault], rank: int, record_dir: Path | None = None) -> None:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.faults = [f for f in faults if f.rank == rank]
         self.attempt = attempt
         self.active = bool(self.faults)
+        self.record_dir = record_dir
 
     @classmethod
-    def from_env(cls, rank: int) -> FaultPlan:
-        return cls(parse(os.environ.get(ENV, "")), rank)
+    def from_env(cls, rank: int, record_dir: Path | None = None) -> FaultPlan:
+        return cls(parse(os.environ.get(ENV, "")), rank, record_dir)
 
     def at_step(self, step: int) -> None:
         if not self.active:
@@ -70,6 +73,9 @@ class FaultPlan:
             elif step != fault.step:
                 continue
             elif fault.kind == "kill" and self.attempt == fault.attempt:
+                if self.record_dir is not None:  # when, for recovery-time measurements
+                    payload = json.dumps({"step": step, "time": time.time()})
+                    (self.record_dir / "killed.json").write_text(payload)
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "fail":
                 raise InjectedFailure(f"injected failure at step {step}")

@@ -116,3 +116,9 @@ def read_failures(directory: Path) -> list[dict]:
 def clear(directory: Path) -> None:
     for path in directory.glob("*.json"):
         path.unlink(missing_ok=True)
+
+
+def mark_resumed(directory: Path, step: int) -> None:
+    """When the first step after a resume finished (for recovery-time measurements)."""
+    payload = {"step": step, "time": time.time()}
+    (directory / "resumed.json").write_text(json.dumps(payload))

@@ -38,7 +38,7 @@ from training.dist import (
 )
 from training.errors import ConfigError
 from training.faults import FaultPlan
-from training.health import SYNC, Heartbeat, record_failure
+from training.health import SYNC, Heartbeat, mark_resumed, record_failure
 from training.models import ModelSpec, build_model
 from training.schedule import lr_at
 from training.timing import StepTimes, SyncTimer, find_stragglers, gather_times, interval_metrics
@@ -73,9 +73,11 @@ def worker_main(job: TrainJob) -> dict[str, Any] | None:
     # N workers share the machine's cores: cap each so they don't oversubscribe.
     torch.set_num_threads(cfg.train.threads_per_worker)
     _set_determinism(cfg.train, ctx)
+    journal = Path(job.checkpoint_dir) / "tracking.jsonl"
+    tracker = make_tracker(ctx.is_main, job.tracking_uri, job.run_id, journal)
     try:
         with process_group(ctx, cfg.train.collective_timeout_s):
-            return train(cfg, ctx, job)
+            return train(cfg, ctx, job, tracker)
     except BaseException as exc:
         # Name the root cause for the launcher: the first rank to fail takes its peers
         # down with it, and elastic may report a peer's error instead.
@@ -132,7 +134,7 @@ def _preempt_requested(checkpoint_dir: Path, ctx: DistContext) -> bool:
     return all_reduce_sum(flag).item() > 0
 
 
-def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, Any] | None:
+def train(cfg: Config, ctx: DistContext, job: TrainJob, tracker) -> dict[str, Any] | None:
     tc = cfg.train
     shard_dir, checkpoint_dir = Path(job.shard_dir), Path(job.checkpoint_dir)
 
@@ -177,7 +179,6 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, Any] | None
         step = int(state["step"])
         log.info("rank %d resumed from %s at step %d", ctx.rank, resume_from, step)
 
-    tracker = make_tracker(ctx.is_main, job.tracking_uri, job.run_id)
     checkpointer = (
         Checkpointer(
             checkpoint_dir, tc.keep_checkpoints, tc.async_checkpoint, tracker.log_checkpoint
@@ -186,7 +187,8 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, Any] | None
         else None
     )
     heartbeat = Heartbeat(checkpoint_dir / HEARTBEATS, ctx.rank)
-    faults = FaultPlan.from_env(ctx.rank)
+    faults = FaultPlan.from_env(ctx.rank, checkpoint_dir / HEARTBEATS)
+    loop_seconds, loop_steps, stall_seconds = 0.0, 0, [0.0]
     times = StepTimes()
     losses: list[torch.Tensor] = []
     last_metrics: dict[str, float] = {}
@@ -206,7 +208,9 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, Any] | None
     def save_checkpoint() -> None:
         nonlocal saved_step
         if checkpointer is not None and saved_step != step:
-            times.add("checkpoint_stall", checkpointer.save(step, checkpoint_state(), last_metrics))
+            stalled = checkpointer.save(step, checkpoint_state(), last_metrics)
+            times.add("checkpoint_stall", stalled)
+            stall_seconds[0] += stalled
         saved_step = step
 
     def end_interval() -> None:
@@ -215,8 +219,7 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, Any] | None
         first = step - len(losses) + 1
         global_losses = all_reduce_sum(torch.stack(losses).double().cpu()) / ctx.world_size
         ranks = gather_times(times, ctx.world_size)
-        for offset, value in enumerate(global_losses.tolist()):
-            tracker.log_metrics({"train_loss": value}, first + offset)
+        tracker.log_series("train_loss", first, global_losses.tolist())
         metrics = {"lr": optimizer.param_groups[0]["lr"], **interval_metrics(ranks)}
         wall = max(r.per_step["wall"] for r in ranks)
         metrics["samples_per_s"] = tc.batch_size / wall if wall > 0 else 0.0
@@ -245,6 +248,7 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, Any] | None
         start = position.batch_index if epoch == position.epoch else 0
         batches = loader.tensors(epoch, start, tc.loader_workers, on_gpu)
         for index in range(start, loader.batches_per_epoch):
+            step_started = time.perf_counter()
             heartbeat.beat(step, "data")
             waited = time.perf_counter()
             x, y = next(batches)
@@ -298,6 +302,10 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, Any] | None
                 if _preempt_requested(checkpoint_dir, ctx):
                     preempted = True
                     break
+            if resume_from and loop_steps == 0 and ctx.is_main:
+                mark_resumed(checkpoint_dir / HEARTBEATS, step)
+            loop_seconds += time.perf_counter() - step_started
+            loop_steps += 1
         if preempted:
             break
         position = LoaderPosition(epoch=epoch + 1, batch_index=0)
@@ -332,6 +340,10 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob) -> dict[str, Any] | None
             **{k: v for k, v in last_metrics.items() if "/" not in k},
             "step": step,
             "stragglers": {str(r): s for r, s in stragglers.items()},
+            # Step time of this attempt, validation excluded: what benchmarks compare.
+            "loop_seconds": loop_seconds,
+            "loop_steps": loop_steps,
+            "checkpoint_stall_seconds": stall_seconds[0],
         }
     return None
 

@@ -6,6 +6,7 @@ mlflow is imported inside functions only, so the engine runs where mlflow is abs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -76,6 +77,9 @@ class NullTracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass
 
+    def log_series(self, key: str, first_step: int, values: list[float]) -> None:
+        pass
+
     def log_checkpoint(self, path: Path, step: int, metrics: dict[str, float]) -> None:
         pass
 
@@ -87,34 +91,52 @@ class NullTracker:
 
 
 class MlflowTracker:
-    """Rank 0's writer into an existing run, in a helper process.
+    """Rank 0's writer into an existing run: a journal file plus a helper process.
 
-    MLflow's SQLite store costs about 0.3 ms of Python per metric. In a thread that work
-    would hold the GIL for milliseconds at a time and stall the training loop; in a
-    low-priority process it only uses spare CPU. The loop puts items on a queue and
-    never waits. After a restart, steps the run already holds are recomputed identically
-    and not sent again: one value per metric and step.
+    The loop appends each record as a JSON line to `<job>/tracking.jsonl` (a buffered
+    write, microseconds) and moves on. A low-priority helper process ships the journal
+    to MLflow, whose SQLite store costs ~0.3 ms of Python per metric: in the training
+    process that work would hold the GIL for milliseconds at a time.
+
+    The journal makes tracking survive failures: when rank 0 is killed, records it
+    wrote are on disk, and the next attempt's helper ships them. Records the run
+    already holds (a restarted job recomputes steps after its checkpoint, identically)
+    are skipped: one value per metric and step. A file lock keeps one shipper per job.
     """
 
-    def __init__(self, tracking_uri: str, run_id: str) -> None:
+    def __init__(self, tracking_uri: str, run_id: str, journal: Path) -> None:
         import multiprocessing
 
-        context = multiprocessing.get_context("spawn")
+        journal.parent.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
-        self._queue = context.Queue()
+        self._journal = journal.open("a", encoding="utf-8")
+        # A clean interpreter: nothing of the rank's CUDA or communication state.
+        context = multiprocessing.get_context("spawn")
         self._process = context.Process(
             target=_tracking_process,
-            args=(tracking_uri, run_id, self._queue, os.getpid()),
+            args=(tracking_uri, run_id, str(journal), os.getpid()),
             name="gradline-tracker",
             daemon=True,
         )
         self._process.start()
+        _deprioritize(self._process.pid)
+
+    def _append(self, record: dict) -> None:
+        import json
+
+        self._journal.write(json.dumps(record) + "\n")
+        self._journal.flush()  # in the OS's hands now: survives this process being killed
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self._queue.put(("metrics", dict(metrics), step, _now_ms()))
+        self._append({"kind": "metrics", "step": step, "time": _now_ms(), "values": metrics})
+
+    def log_series(self, key: str, first_step: int, values: list[float]) -> None:
+        """One value per step from `first_step` on, as one record."""
+        record = {"kind": "series", "key": key, "first": first_step, "values": values}
+        self._append({**record, "time": _now_ms()})
 
     def set_tag(self, key: str, value: str) -> None:
-        self._queue.put(("tag", key, value))
+        self._append({"kind": "tag", "key": key, "value": value})
 
     def log_checkpoint(self, path: Path, step: int, metrics: dict[str, float]) -> None:
         """Record a checkpoint and the metrics of its step under checkpoints/step-N/.
@@ -125,13 +147,22 @@ class MlflowTracker:
         pending = path.with_name(f".mlflow-{path.name}")
         pending.unlink(missing_ok=True)
         os.link(path, pending)
-        self._queue.put(("checkpoint", str(pending), path.name, step, dict(metrics)))
+        self._append(
+            {
+                "kind": "checkpoint",
+                "path": str(pending),
+                "name": path.name,
+                "step": step,
+                "values": metrics,
+            }
+        )
 
     def close(self, timeout_s: float = 600.0) -> None:
-        """Wait until everything queued is in the tracking store."""
+        """Wait until everything journaled is in the tracking store."""
         from training.errors import TrackingError
 
-        self._queue.put(("stop",))
+        self._append({"kind": "end", "writer": os.getpid()})
+        self._journal.close()
         self._process.join(timeout_s)
         if self._process.exitcode != 0:
             raise TrackingError(
@@ -140,16 +171,19 @@ class MlflowTracker:
             )
 
 
-def _tracking_process(tracking_uri: str, run_id: str, queue, parent_pid: int) -> None:
-    import queue as queues
+def _deprioritize(pid: int) -> None:
+    """Training first. Set from the parent right after start, so the helper's own
+    start-up (imports) runs at the lowest priority too. On a saturated host the helper
+    falls behind and catches up when training ends (close() waits for it)."""
+    with contextlib.suppress(AttributeError, OSError):  # not permitted: normal priority
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
+
+
+def _ship(mlflow_client, run_id: str, records: list[dict], logged_until: dict[str, int]) -> None:
     import shutil
     import tempfile
 
     from mlflow.entities import Metric, RunTag
-
-    os.nice(10)  # training first: this process uses what the ranks leave
-    mlflow_client = client(tracking_uri)
-    logged_until: dict[str, int] = {}
 
     def last_logged(key: str) -> int:
         if key not in logged_until:
@@ -157,43 +191,72 @@ def _tracking_process(tracking_uri: str, run_id: str, queue, parent_pid: int) ->
             logged_until[key] = max((m.step for m in history), default=-1)
         return logged_until[key]
 
-    stopping = False
-    while not stopping:
-        try:
-            items = [queue.get(timeout=1.0)]
-        except queues.Empty:
-            if os.getppid() != parent_pid:  # rank 0 is gone (killed): so are we
-                return
-            continue
-        while True:
-            try:
-                items.append(queue.get_nowait())
-            except queues.Empty:
-                break
-        metrics, tags = [], []
-        for item in items:
-            kind = item[0]
-            if kind == "stop":
-                stopping = True
-            elif kind == "tag":
-                tags.append(RunTag(item[1], item[2]))
-            elif kind == "metrics":
-                _, values, step, stamp = item
-                for key, value in values.items():
-                    if step > last_logged(key):
-                        metrics.append(Metric(key, float(value), stamp, step))
-                        logged_until[key] = step
-            elif kind == "checkpoint":
-                _, pending, name, step, values = item
-                folder = f"checkpoints/step-{step:08d}"
-                with tempfile.TemporaryDirectory() as tmp:
-                    shutil.move(pending, Path(tmp) / name)
-                    mlflow_client.log_artifact(run_id, str(Path(tmp) / name), folder)
-                mlflow_client.log_dict(run_id, {"step": step, **values}, f"{folder}/metrics.json")
-        for start in range(0, len(metrics), 1000):  # MLflow's batch limit
-            mlflow_client.log_batch(run_id, metrics=metrics[start : start + 1000])
-        if tags:
-            mlflow_client.log_batch(run_id, tags=tags)
+    def add(key: str, value: float, stamp: int, step: int) -> None:
+        if step > last_logged(key):
+            metrics.append(Metric(key, float(value), stamp, step))
+            logged_until[key] = step
+
+    metrics, tags = [], []
+    for record in records:
+        kind = record["kind"]
+        if kind == "metrics":
+            for key, value in record["values"].items():
+                add(key, value, record["time"], record["step"])
+        elif kind == "series":
+            for step, value in enumerate(record["values"], start=record["first"]):
+                add(record["key"], value, record["time"], step)
+        elif kind == "tag":
+            tags.append(RunTag(record["key"], record["value"]))
+        elif kind == "checkpoint" and Path(record["path"]).exists():
+            folder = f"checkpoints/step-{record['step']:08d}"
+            with tempfile.TemporaryDirectory() as tmp:
+                target = Path(tmp) / record["name"]
+                shutil.move(record["path"], target)
+                mlflow_client.log_artifact(run_id, str(target), folder)
+            payload = {"step": record["step"], **record["values"]}
+            mlflow_client.log_dict(run_id, payload, f"{folder}/metrics.json")
+    for start in range(0, len(metrics), 1000):  # MLflow's batch limit
+        mlflow_client.log_batch(run_id, metrics=metrics[start : start + 1000])
+    if tags:
+        mlflow_client.log_batch(run_id, tags=tags)
+
+
+def _tracking_process(tracking_uri: str, run_id: str, journal: str, writer_pid: int) -> None:
+    """Ship the journal to MLflow until its writer says `end` or dies."""
+    import fcntl
+    import json
+    import time
+
+    with open(journal + ".lock", "w") as lock:
+        # One shipper per job: a helper left over from a killed attempt finishes first.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        mlflow_client = client(tracking_uri)
+        logged_until: dict[str, int] = {}
+        offset, done = 0, False
+        while not done:
+            with open(journal, encoding="utf-8") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+            complete = chunk[: chunk.rfind("\n") + 1]  # a torn last line waits
+            offset += len(complete.encode("utf-8"))
+            records = [json.loads(line) for line in complete.splitlines() if line]
+            done = any(r["kind"] == "end" and r["writer"] == writer_pid for r in records)
+            if records:
+                _ship(mlflow_client, run_id, records, logged_until)
+            elif not _alive(writer_pid):
+                return  # the writer was killed: all it wrote is shipped
+            else:
+                time.sleep(0.5)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _now_ms() -> int:
@@ -202,9 +265,9 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def make_tracker(is_main: bool, tracking_uri: str | None, run_id: str | None):
+def make_tracker(is_main: bool, tracking_uri: str | None, run_id: str | None, journal: Path):
     if is_main and tracking_uri and run_id:
-        return MlflowTracker(tracking_uri, run_id)
+        return MlflowTracker(tracking_uri, run_id, journal)
     return NullTracker()
 
 

@@ -1,0 +1,186 @@
+"""The training engine against baselines run in this same process.
+
+- overhead_ratio:     gradline steps/s over a minimal hand-written DDP loop (same model,
+                      same data in memory, same ranks, same launcher);
+- tracking_ratio:     gradline steps/s with MLflow logging on over off;
+- ckpt_stall_ratio:   loop stall of asynchronous checkpoints over synchronous ones
+                      (same state, same interval);
+- scaling_efficiency: weak scaling, 2 ranks over 1 rank at the same per-rank batch, on a
+                      compute-bound model: samples/s(2) / (2 x samples/s(1));
+- recovery_s:         from a worker's SIGKILL to the first step after the resume.
+
+Each throughput is the best of `--repeats` runs. The last line is key=value pairs.
+Usage: python -m benchmarks.engine [--steps 100] [--hidden 1024] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import fmt, make_synthetic_shards
+from training.config import Config, TrainConfig
+from training.launch import launch_workers
+from training.loop import HEARTBEATS, TrainJob
+from training.tracking import client, ensure_experiment
+
+
+def minimal_ddp_worker(shard_dir: str, cfg: dict, steps: int) -> dict | None:
+    """What a user would write by hand: DDP over the same model, data held in memory."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from training.data.loader import open_reader
+    from training.data.shards import read_manifest
+    from training.models import ModelSpec, build_model
+
+    tc = TrainConfig(**cfg)
+    torch.set_num_threads(tc.threads_per_worker)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    manifest = read_manifest(Path(shard_dir))
+    reader = open_reader(Path(shard_dir), manifest, "train")
+    features, labels = reader.gather(np.arange(reader.num_rows))
+    x_all, y_all = torch.from_numpy(features), torch.from_numpy(labels)
+    torch.manual_seed(tc.seed)
+    spec = ModelSpec(features.shape[1], manifest["num_classes"], tc.hidden)
+    model = torch.nn.parallel.DistributedDataParallel(build_model(spec))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr)
+    per_rank = tc.batch_size // world
+    order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(0))
+    started = time.perf_counter()
+    for k in range(steps):
+        idx = order[k * tc.batch_size + rank * per_rank :][:per_rank]
+        loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    elapsed = time.perf_counter() - started
+    dist.destroy_process_group()
+    return {"loop_seconds": elapsed, "loop_steps": steps} if rank == 0 else None
+
+
+def _launch_minimal(shards: Path, tc: TrainConfig, steps: int) -> dict:
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from training.launch import free_port
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=tc.world_size,
+        run_id=f"minimal-{uuid.uuid4().hex[:6]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        start_method="spawn",
+    )
+    return elastic_launch(config, minimal_ddp_worker)(str(shards), tc.model_dump(), steps)[0]
+
+
+def _steps_per_s(result: dict) -> float:
+    return result["loop_steps"] / result["loop_seconds"]
+
+
+class Bench:
+    def __init__(self, folder: Path, shards: Path, base: dict) -> None:
+        self.folder, self.shards, self.base = folder, shards, base
+        self.runs = 0
+
+    def gradline(self, tracking: bool = False, **train) -> tuple[dict, Path]:
+        self.runs += 1
+        work = self.folder / f"run{self.runs}"
+        cfg = Config(train=TrainConfig(**{**self.base, **train}))
+        uri = run_id = None
+        if tracking:
+            uri = f"sqlite:///{self.folder / 'mlflow.db'}"
+            experiment = ensure_experiment(uri, "bench", (self.folder / "art").as_uri())
+            run_id = client(uri).create_run(experiment).info.run_id
+        job = TrainJob(
+            cfg.model_dump(), str(self.shards), str(work / "ckpt"), str(work / "model"), uri, run_id
+        )
+        result = launch_workers(job, cfg.train.world_size, cfg.train.max_restarts)
+        return result, work
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--features", type=int, default=256)
+    parser.add_argument("--per-rank-batch", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        rows = int(args.steps * args.per_rank_batch * 2 / 0.7) + 1000
+        _, shards = make_synthetic_shards(folder, rows, args.features * 4)
+        base = {
+            "world_size": 2,
+            "epochs": 1,
+            "batch_size": 2 * args.per_rank_batch,
+            "hidden": args.hidden,
+            "warmup_steps": 0,
+            "lr_schedule": "constant",
+            "checkpoint_every_steps": 10**6,
+            "log_every_steps": 20,
+            "control_every_steps": 10,
+            "max_restarts": 0,
+        }
+        bench = Bench(folder, shards, base)
+        best = lambda runs: max(_steps_per_s(r) for r in runs)  # noqa: E731
+
+        minimal, plain, tracked = [], [], []
+        for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
+            minimal.append(_launch_minimal(shards, TrainConfig(**base), args.steps))
+            plain.append(bench.gradline()[0])
+            tracked.append(bench.gradline(tracking=True)[0])
+        ckpt = {"checkpoint_every_steps": 10}
+        async_ = bench.gradline(async_checkpoint=True, **ckpt)[0]
+        sync = bench.gradline(async_checkpoint=False, **ckpt)[0]
+        one_rank = [
+            bench.gradline(world_size=1, batch_size=args.per_rank_batch)[0]
+            for _ in range(args.repeats)
+        ]
+        os.environ["GRADLINE_FAULT"] = f"kill:rank=1:step={args.steps // 2}:attempt=0"
+        try:
+            _, work = bench.gradline(max_restarts=1, checkpoint_every_steps=args.steps // 4)
+        finally:
+            del os.environ["GRADLINE_FAULT"]
+        health = work / "ckpt" / HEARTBEATS
+        killed = json.loads((health / "killed.json").read_text())["time"]
+        resumed = json.loads((health / "resumed.json").read_text())["time"]
+
+    two_rank_sps = best(plain) * 2 * args.per_rank_batch
+    one_rank_sps = best(one_rank) * args.per_rank_batch
+    results = {
+        "steps": args.steps,
+        "hidden": args.hidden,
+        "per_rank_batch": args.per_rank_batch,
+        "gradline_steps_per_s": best(plain),
+        "minimal_steps_per_s": best(minimal),
+        "overhead_ratio": best(plain) / best(minimal),
+        "tracking_ratio": best(tracked) / best(plain),
+        "ckpt_stall_async_s": async_["checkpoint_stall_seconds"],
+        "ckpt_stall_sync_s": sync["checkpoint_stall_seconds"],
+        "ckpt_stall_ratio": async_["checkpoint_stall_seconds"] / sync["checkpoint_stall_seconds"],
+        "sync_wait_fraction_2_ranks": plain[-1]["time_fraction_sync_wait"],
+        "scaling_efficiency": two_rank_sps / (2 * one_rank_sps),
+        "recovery_s": resumed - killed,
+    }
+    print(" ".join(f"{k}={fmt(v) if isinstance(v, float) else v}" for k, v in results.items()))
+
+
+if __name__ == "__main__":
+    main()
