@@ -181,12 +181,12 @@ def test_sigterm_checkpoints_exits_distinctly_and_resumes(tiny_shards, tmp_path,
     assert steps == sorted(set(steps)) == list(range(1, len(steps) + 1))
 
 
-def test_one_two_and_four_ranks_agree(tiny_shards, tmp_path, reference) -> None:
-    """Same global batch, different world sizes: the same data per step (see the loader),
-    so the weights differ only by floating-point summation order."""
-    cfg = _config(batch_size=32)
-    for world in (1, 4):
-        work = tmp_path / f"w{world}"
+def test_one_two_and_four_ranks_and_accumulation_agree(tiny_shards, tmp_path, reference) -> None:
+    """Same global batch, different world sizes (and micro-batches): the same data per
+    step (see the loader), so the weights differ only by floating-point summation order."""
+    for world, accum in ((1, 1), (4, 1), (2, 2)):
+        work = tmp_path / f"w{world}-a{accum}"
+        cfg = _config(batch_size=32, grad_accum_steps=accum)
         launch_workers(_job(tiny_shards, work, cfg), world_size=world, max_restarts=0)
         weights = _weights(work / "model")
         for key, value in reference.items():

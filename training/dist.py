@@ -58,10 +58,11 @@ def process_group(ctx: DistContext, timeout_s: float = 300.0) -> Iterator[None]:
         timeout=timeout,
         store=_attempt_store(ctx, timeout),
     )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    yield
+    # Only on success. After an error, a graceful destroy can wait on a peer that is
+    # itself blocked in a collective waiting for us; exiting instead closes our sockets
+    # and the peers fail at once ("connection closed by peer"), so the agent restarts.
+    dist.destroy_process_group()
 
 
 def _attempt_store(ctx: DistContext, timeout: timedelta) -> dist.Store | None:

@@ -82,7 +82,19 @@ def worker_main(job: TrainJob) -> dict[str, Any] | None:
         # Name the root cause for the launcher: the first rank to fail takes its peers
         # down with it, and elastic may report a peer's error instead.
         record_failure(Path(job.checkpoint_dir) / HEARTBEATS, ctx.rank, exc)
+        _exit_soon(10.0)
         raise
+
+
+def _exit_soon(seconds: float) -> None:
+    """Bound the teardown of a failed worker: tearing down communication can block on a
+    peer that is itself waiting in a collective, and a worker that never exits would
+    keep the agent from restarting the job."""
+    import threading
+
+    timer = threading.Timer(seconds, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
 
 
 def _set_determinism(tc: TrainConfig, ctx: DistContext) -> None:
