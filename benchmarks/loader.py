@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--row-bytes", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -83,10 +84,14 @@ def main() -> None:
         reader = open_reader(shards, manifest, "train")
         loader = RankLoader(reader, rank=0, world_size=1, global_batch=args.batch, seed=0)
         gradline_epoch(loader, 0)  # warm the page cache, as a second epoch would be
-        t_gradline, rows = timed(lambda: gradline_epoch(loader, 1))
-
         features, labels = reader.gather(np.arange(reader.num_rows))
-        t_bound, _ = timed(lambda: bound_epoch(features, labels, args.batch, 1))
+        # Best of several interleaved epochs: this host's memory bandwidth drifts.
+        t_gradline = t_bound = float("inf")
+        for epoch in range(1, 1 + args.repeats):
+            elapsed, rows = timed(lambda e=epoch: gradline_epoch(loader, e))
+            t_gradline = min(t_gradline, elapsed)
+            elapsed, _ = timed(lambda e=epoch: bound_epoch(features, labels, args.batch, e))
+            t_bound = min(t_bound, elapsed)
         t_naive, naive_rows = naive_epoch(raw, args.batch)
         hf = hf_epoch(raw, args.batch)
 

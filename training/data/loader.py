@@ -24,7 +24,8 @@ from training.data.sources import FEATURES, LABEL
 from training.errors import DataError
 
 LOADER_STATE_VERSION = 1
-# Batches smaller than this are gathered in groups that together stay under it.
+# Batches of at most SMALL_BATCH_BYTES are gathered in groups of up to SMALL_GROUP_BYTES.
+SMALL_BATCH_BYTES = 64 << 10
 SMALL_GROUP_BYTES = 1 << 20
 
 
@@ -108,17 +109,15 @@ class ShardReader:
         """
         rows = np.sort(indices)
         bounds = np.searchsorted(rows, self._offsets)
-        width = self._view(int(np.searchsorted(self._offsets, rows[0], side="right") - 1))[0]
-        features = np.empty((len(rows), width.shape[1]), dtype=np.float32)
+        first_shard = int(np.searchsorted(self._offsets, rows[0], side="right") - 1)
+        features = np.empty((len(rows), self._view(first_shard)[0].shape[1]), dtype=np.float32)
         labels = np.empty(len(rows), dtype=np.int64)
-        for shard_id in range(len(self.shards)):
+        for shard_id in np.flatnonzero(bounds[1:] - bounds[:-1]).tolist():
             start, stop = bounds[shard_id], bounds[shard_id + 1]
-            if start == stop:
-                continue
             local = rows[start:stop] - self._offsets[shard_id]
-            src_x, src_y = self._view(shard_id)
-            np.take(src_x, local, axis=0, out=features[start:stop], mode="clip")
-            np.take(src_y, local, out=labels[start:stop], mode="clip")
+            src_x, src_y = self._views.get(shard_id) or self._view(shard_id)
+            src_x.take(local, axis=0, out=features[start:stop], mode="clip")
+            src_y.take(local, out=labels[start:stop], mode="clip")
         return features, labels
 
 
@@ -203,7 +202,10 @@ class RankLoader:
         order = epoch_permutation(self.reader.num_rows, self.seed, epoch)
         per_rank = self.global_batch // self.world_size
         batch_bytes = per_rank * self.reader.row_bytes
-        group = max(1, min(64, SMALL_GROUP_BYTES // batch_bytes)) if batch_bytes else 1
+        # Grouping costs a second copy (back to batch order): worth it only where the
+        # fixed cost of a gather dominates, i.e. for small batches.
+        small = 0 < batch_bytes <= SMALL_BATCH_BYTES
+        group = max(1, min(64, SMALL_GROUP_BYTES // batch_bytes)) if small else 1
         for first in range(start, self.batches_per_epoch, group):
             ks = np.arange(first, min(first + group, self.batches_per_epoch))
             starts = ks * self.global_batch + self.rank * per_rank
