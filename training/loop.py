@@ -200,12 +200,12 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob, tracker) -> dict[str, An
     )
     heartbeat = Heartbeat(checkpoint_dir / HEARTBEATS, ctx.rank)
     faults = FaultPlan.from_env(ctx.rank, checkpoint_dir / HEARTBEATS)
-    loop_seconds, loop_steps, stall_seconds = 0.0, 0, [0.0]
+    loop_seconds, loop_steps, stall_seconds = 0.0, 0, 0.0
     times = StepTimes()
     losses: list[torch.Tensor] = []
     last_metrics: dict[str, float] = {}
     stragglers: dict[int, dict[str, float]] = {}
-    intervals = [0]  # logging intervals done in this attempt
+    intervals = 0  # logging intervals done in this attempt
 
     def checkpoint_state() -> dict[str, Any]:
         return {
@@ -218,16 +218,16 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob, tracker) -> dict[str, An
     saved_step = step
 
     def save_checkpoint() -> None:
-        nonlocal saved_step
+        nonlocal saved_step, stall_seconds
         if checkpointer is not None and saved_step != step:
             stalled = checkpointer.save(step, checkpoint_state(), last_metrics)
             times.add("checkpoint_stall", stalled)
-            stall_seconds[0] += stalled
+            stall_seconds += stalled
         saved_step = step
 
     def end_interval() -> None:
         """Exchange losses and time breakdown; rank 0 logs them and names stragglers."""
-        nonlocal losses
+        nonlocal losses, intervals
         first = step - len(losses) + 1
         global_losses = all_reduce_sum(torch.stack(losses).double().cpu()) / ctx.world_size
         ranks = gather_times(times, ctx.world_size)
@@ -235,10 +235,10 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob, tracker) -> dict[str, An
         metrics = {"lr": optimizer.param_groups[0]["lr"], **interval_metrics(ranks)}
         wall = max(r.per_step["wall"] for r in ranks)
         metrics["samples_per_s"] = tc.batch_size / wall if wall > 0 else 0.0
-        intervals[0] += 1
+        intervals += 1
         # The first interval of an attempt holds start-up effects (lazy allocations,
         # cold caches, ranks starting apart): it says nothing about a slow rank.
-        suspects = find_stragglers(ranks, tc.straggler_factor) if intervals[0] > 1 else []
+        suspects = find_stragglers(ranks, tc.straggler_factor) if intervals > 1 else []
         for rank, ratio in suspects:
             metrics[f"straggler_ratio/rank{rank}"] = ratio
             seen = stragglers.setdefault(rank, {"intervals": 0, "worst_ratio": 0.0})
@@ -355,7 +355,7 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob, tracker) -> dict[str, An
             # Step time of this attempt, validation excluded: what benchmarks compare.
             "loop_seconds": loop_seconds,
             "loop_steps": loop_steps,
-            "checkpoint_stall_seconds": stall_seconds[0],
+            "checkpoint_stall_seconds": stall_seconds,
         }
     return None
 

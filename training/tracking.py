@@ -108,7 +108,6 @@ class MlflowTracker:
         import multiprocessing
 
         journal.parent.mkdir(parents=True, exist_ok=True)
-        self.run_id = run_id
         self._journal = journal.open("a", encoding="utf-8")
         # A clean interpreter: nothing of the rank's CUDA or communication state.
         context = multiprocessing.get_context("spawn")

@@ -115,7 +115,7 @@ class ShardReader:
         for shard_id in np.flatnonzero(bounds[1:] - bounds[:-1]).tolist():
             start, stop = bounds[shard_id], bounds[shard_id + 1]
             local = rows[start:stop] - self._offsets[shard_id]
-            src_x, src_y = self._views.get(shard_id) or self._view(shard_id)
+            src_x, src_y = self._view(shard_id)
             src_x.take(local, axis=0, out=features[start:stop], mode="clip")
             src_y.take(local, out=labels[start:stop], mode="clip")
         return features, labels
@@ -148,22 +148,20 @@ class LoaderPosition:
 class _RankEpoch(torch.utils.data.IterableDataset):
     """One rank's batches of one epoch, shareable among DataLoader workers.
 
-    Worker w of n takes global batches start+w, start+w+n, ...; the DataLoader collects
-    them round-robin, so the order is the same as with no workers. Each worker opens
-    its own memory maps (never inherited across the fork).
+    Worker w of n yields global batches start+w, start+w+n, ... through the same
+    RankLoader.batches; the DataLoader collects them round-robin, so the order is the
+    same as with no workers. Each worker opens its own memory maps (never inherited
+    across the fork).
     """
 
-    def __init__(self, shards: list[ShardInfo], plan: dict) -> None:
-        self.shards, self.plan = shards, plan
+    def __init__(self, shards: list[ShardInfo], loader: dict, epoch: int, start: int) -> None:
+        self.shards, self.loader, self.epoch, self.start = shards, loader, epoch, start
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        reader = ShardReader(self.shards)
-        p = self.plan
-        order = epoch_permutation(reader.num_rows, p["seed"], p["epoch"])
-        for k in range(p["start"] + worker, p["batches"], workers):
-            x, y = reader.gather(order[rank_slice(k, p["global_batch"], p["world_size"], p["rank"])])
+        loader = RankLoader(ShardReader(self.shards), **self.loader)
+        for x, y in loader.batches(self.epoch, self.start + worker, every=workers):
             yield torch.from_numpy(x), torch.from_numpy(y)
 
 
@@ -195,10 +193,13 @@ class RankLoader:
     def batches_per_epoch(self) -> int:
         return batches_per_epoch(self.reader.num_rows, self.global_batch)
 
-    def batches(self, epoch: int, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """This rank's batches from global batch `start` on; rows of a batch in storage
-        order. Small batches are gathered several at a time: one gather's fixed cost
-        (tens of microseconds of Python) would otherwise be a visible share of a step."""
+    def batches(
+        self, epoch: int, start: int = 0, every: int = 1
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """This rank's batches for global batches start, start+every, ...; rows of a batch
+        in storage order. Small batches are gathered several at a time: one gather's
+        fixed cost (tens of microseconds of Python) would otherwise be a visible share of
+        a step."""
         order = epoch_permutation(self.reader.num_rows, self.seed, epoch)
         per_rank = self.global_batch // self.world_size
         batch_bytes = per_rank * self.reader.row_bytes
@@ -206,10 +207,12 @@ class RankLoader:
         # fixed cost of a gather dominates, i.e. for small batches.
         small = 0 < batch_bytes <= SMALL_BATCH_BYTES
         group = max(1, min(64, SMALL_GROUP_BYTES // batch_bytes)) if small else 1
-        for first in range(start, self.batches_per_epoch, group):
-            ks = np.arange(first, min(first + group, self.batches_per_epoch))
-            starts = ks * self.global_batch + self.rank * per_rank
-            rows = np.sort(order[starts[:, None] + np.arange(per_rank)], axis=1)
+        wanted = np.arange(start, self.batches_per_epoch, every)
+        for first in range(0, len(wanted), group):
+            ks = wanted[first : first + group]
+            # rank_slice is the assignment the property tests check; use it, not a copy.
+            slices = [rank_slice(int(k), self.global_batch, self.world_size, self.rank) for k in ks]
+            rows = np.sort(np.stack([order[sl] for sl in slices]), axis=1)
             if len(ks) == 1:
                 yield self.reader.gather(rows[0])
                 continue
@@ -230,17 +233,14 @@ class RankLoader:
             for x, y in self.batches(epoch, start):
                 yield torch.from_numpy(x), torch.from_numpy(y)
             return
-        plan = {
-            "seed": self.seed,
-            "epoch": epoch,
-            "start": start,
-            "batches": self.batches_per_epoch,
-            "global_batch": self.global_batch,
-            "world_size": self.world_size,
+        loader = {
             "rank": self.rank,
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "seed": self.seed,
         }
         yield from torch.utils.data.DataLoader(
-            _RankEpoch(self.reader.shards, plan),
+            _RankEpoch(self.reader.shards, loader, epoch, start),
             batch_size=None,
             num_workers=workers,
             pin_memory=pin_memory,
