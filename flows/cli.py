@@ -1,4 +1,5 @@
-"""`gradline`: run the pipeline, run one DVC stage, or open the UIs.
+"""`gradline`: run or serve the pipeline, run one DVC stage, open the UIs, ask about
+runs and model versions.
 
 Imports are deferred into each command so `gradline stage ...` (what dvc.yaml calls)
 starts without loading Prefect.
@@ -7,12 +8,14 @@ starts without loading Prefect.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 from flows.environment import apply_offline_defaults
-from training.errors import GradlineError
+from training.errors import ERROR_FILE_ENV, GradlineError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -24,8 +27,37 @@ def _cmd_run(args: argparse.Namespace) -> int:
     load_config(ProjectPaths(root).params, args.set)
     from flows.pipeline import pipeline
 
-    summary = pipeline(overrides=args.set, root=str(root))
+    summary = pipeline(overrides=args.set, force=args.force, root=str(root))
     print(summary.describe())
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from flows.deploy import serve_deployments
+    from training.paths import find_project_root
+
+    serve_deployments(find_project_root(), args.deployment)
+    return 0
+
+
+def _cmd_lineage(args: argparse.Namespace) -> int:
+    from flows.review import lineage_text, restore_data
+    from training.paths import find_project_root
+
+    root = find_project_root()
+    if args.restore_data:
+        target = restore_data(root, args.model, Path(args.restore_data))
+        print(f"restored the training data of {args.model} into {target}")
+        return 0
+    print(lineage_text(root, args.model))
+    return 0
+
+
+def _cmd_runs(args: argparse.Namespace) -> int:
+    from flows.review import runs_text
+    from training.paths import find_project_root
+
+    print(runs_text(find_project_root(), args.limit))
     return 0
 
 
@@ -76,7 +108,32 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECTION.KEY=VALUE",
         help="override a params.yaml value; recorded in params.yaml (repeatable)",
     )
+    run.add_argument(
+        "--force",
+        action="store_true",
+        help="run every stage even when data, params and code are unchanged",
+    )
     run.set_defaults(func=_cmd_run)
+
+    serve = sub.add_parser(
+        "serve",
+        help="register prefect.yaml's deployments with the Prefect server and run them",
+    )
+    serve.add_argument("deployment", nargs="*", help="names of deployments to serve (default: all)")
+    serve.set_defaults(func=_cmd_serve)
+
+    lineage = sub.add_parser("lineage", help="where a model version came from")
+    lineage.add_argument("model", help="NAME@ALIAS, NAME/VERSION, or NAME (its champion)")
+    lineage.add_argument(
+        "--restore-data",
+        metavar="DIR",
+        help="check out the version's training data with DVC into DIR (inside the project)",
+    )
+    lineage.set_defaults(func=_cmd_lineage)
+
+    runs = sub.add_parser("runs", help="recent runs with their key metrics")
+    runs.add_argument("-n", "--limit", type=int, default=20)
+    runs.set_defaults(func=_cmd_runs)
 
     stage = sub.add_parser("stage", help="run one DVC stage (what dvc.yaml calls)")
     stage_sub = stage.add_subparsers(dest="name", required=True)
@@ -108,7 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except GradlineError as exc:
         print(f"gradline: error: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_code", 2)
+        _record_error(exc)
+        return exc.exit_code
+
+
+def _record_error(exc: GradlineError) -> None:
+    """Leave the cause where the flow that started this stage can read it."""
+    if target := os.environ.get(ERROR_FILE_ENV):
+        record = {"type": type(exc).__name__, "message": str(exc), "exit_code": exc.exit_code}
+        Path(target).write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

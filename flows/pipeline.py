@@ -1,32 +1,78 @@
-"""The pipeline as a Prefect flow; its body reads like the data flow in the docs."""
+"""The pipeline as a Prefect flow; its body reads like the data flow in the docs.
+
+params -> (nothing changed? skip) -> ingest -> push data -> shard -> [device quota] train
+-> evaluate -> register -> summary. On failure the summary names the step and the cause.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from prefect import flow, task
+from prefect.states import Completed
 
 from tasks.dvc_stages import push_data, reproduce_stage
-from tasks.registry import RunSummary, publish_summary, register_model
+from tasks.quota import device_slots
+from tasks.registry import (
+    RunSummary,
+    find_up_to_date_run,
+    publish_failure,
+    publish_summary,
+    register_model,
+)
 from training.config import Config, write_overrides
 from training.paths import ProjectPaths, find_project_root
 
 
-@task(name="apply-params")
+@task(name="apply-params", task_run_name="apply-params")
 def apply_params(root: str, overrides: list[str]) -> Config:
     """Validate params.yaml + overrides and record the overrides in params.yaml."""
     return write_overrides(ProjectPaths(Path(root)).params, overrides)
 
 
+def _stage(cfg: Config, name: str):
+    """The stage's task, named after it, retried on crashes (never on bad input)."""
+    return reproduce_stage.with_options(
+        name=name,
+        task_run_name=name,
+        retries=cfg.orchestrate.stage_retries,
+        retry_delay_seconds=cfg.orchestrate.retry_delay_s,
+    )
+
+
 @flow(name="gradline")
-def pipeline(overrides: list[str] | None = None, root: str | None = None) -> RunSummary:
+def pipeline(
+    overrides: list[str] | None = None, force: bool = False, root: str | None = None
+) -> RunSummary:
+    """Run the stages DVC finds stale, train under the device quota, register, summarize.
+
+    overrides: params.yaml values as `section.key=value`, validated like `gradline run --set`.
+    force: run every stage even when data, params and code are unchanged.
+    """
     root = str(Path(root).resolve()) if root else str(find_project_root())
-    cfg = apply_params(root, list(overrides or []))
-    reproduce_stage(root, "ingest")
-    push_data(root)
-    reproduce_stage(root, "shard")
-    reproduce_stage(root, "train")
-    reproduce_stage(root, "evaluate")
-    summary = register_model(root, cfg)
+    step = "params"
+    try:
+        cfg = apply_params(root, list(overrides or []))
+        if not force:
+            step = "check-up-to-date"
+            if latest := find_up_to_date_run(root, cfg):
+                publish_summary(latest)
+                return Completed(name="Skipped", message=latest.headline, data=latest)
+        step = "ingest"
+        _stage(cfg, "ingest")(root, "ingest", force)
+        step = "push-data"
+        push_data(root)
+        step = "shard"
+        _stage(cfg, "shard")(root, "shard", force)
+        step = "train"
+        with device_slots(cfg):
+            _stage(cfg, "train")(root, "train", force)
+        step = "evaluate"
+        _stage(cfg, "evaluate")(root, "evaluate", force)
+        step = "register"
+        summary = register_model(root, cfg)
+    except Exception as exc:
+        publish_failure(step, exc)
+        raise
     publish_summary(summary)
     return summary

@@ -43,6 +43,10 @@ def serve_uis(root: Path, mlflow_port: int, prefect_port: int) -> int:
     ]
     print(f"MLflow UI:  http://127.0.0.1:{mlflow_port}")
     print(f"Prefect UI: http://127.0.0.1:{prefect_port}")
+    print(
+        "Runs show up in this Prefect UI when started with "
+        f"PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api (gradline run, gradline serve)."
+    )
     print("Ctrl-C stops both.", flush=True)
     try:
         while all(p.poll() is None for p in procs):

@@ -1,56 +1,133 @@
-"""Tasks that drive DVC: each stage runs through `dvc repro`, so dvc.lock records it."""
+"""Tasks that drive DVC: each stage runs through `dvc repro`, so dvc.lock records it.
+
+A stage's output streams into the task's log as it runs (plain lines in the Prefect UI;
+on a terminal, the stage's own progress bars go straight to it). When a stage fails,
+`gradline stage` leaves a small error record naming the exception and its exit code, so
+the task knows whether a retry can help without parsing DVC's messages.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections import deque
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.runtime import flow_run
 
-from training.errors import GradlineError
+from training.errors import ERROR_FILE_ENV, GradlineError, is_retryable_exit
 from training.tracking import FLOW_RUN_ENV
 from training.versioning import data_version
 
+# DVC's hints about git and pushing: the flow acts on them itself.
+_HINTS = ("git add", "To track the changes", "To enable auto staging", "autostage", "dvc push")
+
 
 class StageFailed(GradlineError):
-    pass
+    """A DVC command failed; `retryable` says whether running it again can help."""
+
+    def __init__(self, message: str, exit_code: int | None, retryable: bool) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code if exit_code is not None else 1
+        self.retryable = retryable
 
 
-def _dvc(root: Path, *args: str) -> str:
+def _env() -> dict[str, str]:
     env = dict(os.environ)
     # Stage commands call `gradline`: find it beside this interpreter even if the
     # virtual environment is not activated.
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     if flow_run.id:
         env[FLOW_RUN_ENV] = str(flow_run.id)
+    return env
+
+
+def dvc_output(root: Path, *args: str) -> str:
+    """Run a quick DVC command and return its stdout (for `status --json` and the like)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "dvc", *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
+        [sys.executable, "-m", "dvc", *args], cwd=root, env=_env(), capture_output=True, text=True
     )
-    output = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        raise StageFailed(f"`dvc {' '.join(args)}` failed ({proc.returncode}):\n{output[-4000:]}")
-    return output
+        raise StageFailed(
+            f"`dvc {' '.join(args)}` failed ({proc.returncode}):\n{proc.stderr[-4000:]}",
+            proc.returncode,
+            retryable=True,
+        )
+    return proc.stdout
 
 
-@task(name="dvc-repro")
-def reproduce_stage(root: str, stage: str) -> bool:
-    """Run one stage if DVC finds it stale; True when it ran."""
-    output = _dvc(Path(root), "repro", "--single-item", stage)
-    # Keep the stage's own output; drop DVC's git hints, which the flow acts on itself.
-    hints = ("git add", "To track the changes", "To enable auto staging", "autostage", "dvc push")
-    print("\n".join(line for line in output.splitlines() if not any(h in line for h in hints)))
+def _stage_failure(args: tuple[str, ...], code: int, record_file: Path, tail: str) -> StageFailed:
+    command = f"dvc {' '.join(args)}"
+    if record_file.is_file():
+        record = json.loads(record_file.read_text())
+        return StageFailed(
+            f"`{command}` failed: {record['type']}: {record['message']}",
+            record["exit_code"],
+            is_retryable_exit(record["exit_code"]),
+        )
+    # No record: the stage crashed outside gradline's handling, or DVC itself failed.
+    return StageFailed(f"`{command}` failed ({code}):\n{tail}", code, retryable=True)
+
+
+def run_dvc(root: Path, *args: str) -> str:
+    """Run a DVC command, streaming its output into the task log; return that output."""
+    logger = get_run_logger()
+    env = _env()
+    # On a terminal the stage's stderr (progress bars, errors) goes straight to it.
+    stderr = None if sys.stderr.isatty() else subprocess.STDOUT
+    tail: deque[str] = deque(maxlen=60)
+    with tempfile.TemporaryDirectory(prefix="gradline-stage-") as tmp:
+        record_file = Path(tmp) / "error.json"
+        env[ERROR_FILE_ENV] = str(record_file)
+        with subprocess.Popen(
+            [sys.executable, "-m", "dvc", *args],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            bufsize=1,
+        ) as proc:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                line = raw.rstrip()
+                tail.append(line)
+                if line and not any(h in line for h in _HINTS):
+                    logger.info(line)
+        if proc.returncode != 0:
+            raise _stage_failure(args, proc.returncode, record_file, "\n".join(tail))
+    return "\n".join(tail)
+
+
+def retry_unless_user_error(task, task_run, state) -> bool:
+    """Prefect retry condition: retry crashes and preemptions, never bad config or data."""
+    exc = state.result(raise_on_failure=False)
+    if isinstance(exc, GradlineError):
+        return exc.retryable
+    return True
+
+
+@task(name="dvc-repro", task_run_name="dvc-repro", retry_condition_fn=retry_unless_user_error)
+def reproduce_stage(root: str, stage: str, force: bool = False) -> bool:
+    """Run one stage if DVC finds it stale (or always, forced); True when it ran."""
+    args = ["repro", "--single-item", stage]
+    if force:
+        args.append("--force")
+    output = run_dvc(Path(root), *args)
     return "didn't change, skipping" not in output
 
 
-@task(name="dvc-push-data", retries=2, retry_delay_seconds=2)
+@task(name="dvc-push-data", task_run_name="dvc-push-data", retries=2, retry_delay_seconds=2)
 def push_data(root: str) -> str:
     """Push the ingested snapshot to the DVC remote; return its data version (md5)."""
-    _dvc(Path(root), "push", "ingest")
+    run_dvc(Path(root), "push", "ingest")
     return data_version(Path(root))
+
+
+def stale_stages(root: Path) -> dict:
+    """What `dvc status` says changed since the last run: {} when nothing did."""
+    return json.loads(dvc_output(root, "status", "--json") or "{}")

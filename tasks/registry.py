@@ -1,9 +1,9 @@
-"""Tasks that record results: the model version with its alias, and the run summary."""
+"""Tasks that record results: the model version, whether a run is needed, the summary."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prefect import task
@@ -12,39 +12,123 @@ from prefect.artifacts import create_markdown_artifact
 from training.config import Config
 from training.paths import ProjectPaths
 
+SUMMARY_KEY = "gradline-run-summary"
+
 
 @dataclass(frozen=True)
 class RunSummary:
+    status: str  # "completed" or "skipped"
     data_version: str
     run_id: str
+    run_url: str
     experiment: str
     tracking_uri: str
     model_name: str
     version: int
+    version_url: str
     alias: str
-    metrics: dict[str, float]
-    champion_accuracy: float | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    champion_accuracy: float | None = None
+
+    @property
+    def headline(self) -> str:
+        if self.status == "skipped":
+            return f"up to date with run {self.run_id}"
+        return f"trained run {self.run_id}"
 
     def describe(self) -> str:
         metrics = "  ".join(f"{k}={v:.4f}" for k, v in sorted(self.metrics.items()))
+        first = (
+            f"gradline: nothing changed, {self.headline} (pass --force to retrain)"
+            if self.status == "skipped"
+            else "gradline run complete"
+        )
         return (
-            f"gradline run complete\n"
+            f"{first}\n"
             f"  data version   {self.data_version}\n"
             f"  MLflow run     {self.run_id} (experiment {self.experiment!r})\n"
+            f"                 {self.run_url}\n"
             f"  model version  {self.model_name} v{self.version} -> alias {self.alias!r}\n"
+            f"                 {self.version_url}\n"
             f"  metrics        {metrics}\n"
             f"  tracking store {self.tracking_uri}\n"
             f"  see them with  gradline ui  (MLflow UI and Prefect UI on 127.0.0.1)"
         )
 
 
-@task(name="register-model")
+def _summarize(cfg: Config, root: Path, run_id: str, status: str, champion=None) -> RunSummary:
+    """Build the summary from what MLflow recorded for `run_id`."""
+    from training.lineage import model_version_url, run_url, ui_base
+    from training.tracking import TAG_DATA_VERSION, client, default_tracking_uri
+
+    tracking_uri = default_tracking_uri(root)
+    mlflow_client = client(tracking_uri)
+    run = mlflow_client.get_run(run_id)
+    name = cfg.registry.model_name
+    (found,) = mlflow_client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
+    version = mlflow_client.get_model_version(name, found.version)  # search omits aliases
+    base = ui_base(tracking_uri, cfg.orchestrate.mlflow_ui_url)
+    return RunSummary(
+        status=status,
+        data_version=run.data.tags.get(TAG_DATA_VERSION, ""),
+        run_id=run_id,
+        run_url=run_url(base, run.info.experiment_id, run_id),
+        experiment=cfg.registry.experiment,
+        tracking_uri=tracking_uri,
+        model_name=name,
+        version=int(version.version),
+        version_url=model_version_url(base, name, int(version.version)),
+        alias=",".join(version.aliases) or "(none)",
+        metrics={k: v for k, v in run.data.metrics.items() if k.startswith("test_")},
+        champion_accuracy=champion,
+    )
+
+
+@task(name="check-up-to-date", task_run_name="check-up-to-date")
+def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
+    """The last run's summary when data, params and code are all as it left them.
+
+    DVC decides what changed (`dvc status`: stage deps are the data source, the params
+    and the stages' code); the run itself must have finished and been registered.
+    """
+    from mlflow.exceptions import MlflowException
+    from prefect import get_run_logger
+
+    from tasks.dvc_stages import stale_stages
+    from training.tracking import client, default_tracking_uri
+
+    logger = get_run_logger()
+    paths = ProjectPaths(Path(root))
+    if not paths.train_result.is_file():
+        logger.info("no previous run in this project")
+        return None
+    changed = stale_stages(paths.root)
+    if changed:
+        logger.info("changed since the last run: %s", ", ".join(sorted(changed)))
+        return None
+    run_id = json.loads(paths.train_result.read_text())["run_id"]
+    mlflow_client = client(default_tracking_uri(paths.root))
+    try:
+        finished = mlflow_client.get_run(run_id).info.status == "FINISHED"
+    except MlflowException:
+        finished = False
+    registered = mlflow_client.search_model_versions(
+        f"name='{cfg.registry.model_name}' and run_id='{run_id}'"
+    )
+    if not (finished and registered):
+        logger.info("run %s is not finished and registered; completing it", run_id)
+        return None
+    return _summarize(cfg, paths.root, run_id, "skipped")
+
+
+@task(name="register-model", task_run_name="register-model")
 def register_model(root: str, cfg: Config) -> RunSummary:
     from training.data.shards import read_manifest, split_digest
     from training.evaluate import predict_split
+    from training.lineage import version_tags
     from training.registry import register_and_gate
     from training.stages import read_train_result
-    from training.tracking import default_tracking_uri
+    from training.tracking import client, default_tracking_uri
 
     paths = ProjectPaths(Path(root))
     trained = read_train_result(paths.train_result)
@@ -59,6 +143,7 @@ def register_model(root: str, cfg: Config) -> RunSummary:
         pred = predict_split(champion, paths.shards, manifest, "test", cfg.evaluate.batch_size)
         return float((pred.y_true == pred.y_pred).mean())
 
+    run_tags = client(tracking_uri).get_run(trained["run_id"]).data.tags
     registration = register_and_gate(
         tracking_uri,
         cfg.registry.model_name,
@@ -67,36 +152,28 @@ def register_model(root: str, cfg: Config) -> RunSummary:
         metrics["test_accuracy"],
         split_digest(manifest, "test"),
         reevaluate,
-        description=f"data {trained['data_version']}, run {trained['run_id']}",
+        tags=version_tags(run_tags),
     )
-    return RunSummary(
-        data_version=trained["data_version"],
-        run_id=trained["run_id"],
-        experiment=cfg.registry.experiment,
-        tracking_uri=tracking_uri,
-        model_name=registration.model_name,
-        version=registration.version,
-        alias=registration.alias,
-        metrics=metrics,
-        champion_accuracy=registration.champion_accuracy,
+    return _summarize(
+        cfg, paths.root, trained["run_id"], "completed", registration.champion_accuracy
     )
 
 
-@task(name="publish-summary")
-def publish_summary(summary: RunSummary) -> None:
+def _markdown(summary: RunSummary) -> str:
     rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in sorted(summary.metrics.items()))
     previous = (
         "none (first champion)"
         if summary.champion_accuracy is None
         else f"{summary.champion_accuracy:.4f}"
     )
-    markdown = f"""# gradline run
+    state = "skipped: " if summary.status == "skipped" else ""
+    return f"""# gradline run: {state}{summary.headline}
 
 | | |
 |---|---|
 | data version (DVC md5) | `{summary.data_version}` |
-| MLflow run | `{summary.run_id}` (experiment `{summary.experiment}`) |
-| model version | `{summary.model_name}` v{summary.version} |
+| MLflow run | [{summary.run_id}]({summary.run_url}) (experiment `{summary.experiment}`) |
+| model version | [{summary.model_name} v{summary.version}]({summary.version_url}) |
 | alias | **{summary.alias}** |
 | previous champion test_accuracy | {previous} |
 
@@ -104,7 +181,31 @@ def publish_summary(summary: RunSummary) -> None:
 |---|---|
 {rows}
 """
+
+
+@task(name="publish-summary", task_run_name="publish-summary")
+def publish_summary(summary: RunSummary) -> None:
     create_markdown_artifact(
-        key="gradline-run-summary", markdown=markdown, description="gradline run summary"
+        key=SUMMARY_KEY, markdown=_markdown(summary), description="gradline run summary"
     )
     print(json.dumps(asdict(summary), indent=2))
+
+
+def publish_failure(step: str, exc: BaseException) -> None:
+    """The failure as an artifact of the flow run: which step, and the cause."""
+    retry = "no (fix the input and run again)"
+    if getattr(exc, "retryable", True):
+        retry = "yes (a retry resumes from the latest checkpoint)"
+    markdown = f"""# gradline run failed in `{step}`
+
+| | |
+|---|---|
+| step | `{step}` |
+| error | `{type(exc).__name__}` |
+| worth retrying | {retry} |
+
+```
+{str(exc)[-6000:]}
+```
+"""
+    create_markdown_artifact(key=SUMMARY_KEY, markdown=markdown, description="gradline failure")

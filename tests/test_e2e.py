@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,36 +12,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import REPO
+from .conftest import copy_project
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-GENERATED = {"dvc.lock", "metrics.json", "result.json", "data/ingest.json"}
 SMALL = ["--set", "data.max_rows=500", "--set", "train.epochs=8"]
-
-
-def _project_files() -> list[str]:
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    return [f for f in listed if f not in GENERATED and (REPO / f).is_file()]
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("clone") / "gradline"
-    for rel in _project_files():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / rel, root / rel)
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
-    subprocess.run([*git, "init", "-q"], cwd=root, check=True)
-    subprocess.run([*git, "add", "-A"], cwd=root, check=True)
-    subprocess.run([*git, "commit", "-qm", "clone"], cwd=root, check=True)
-    return root
+    return copy_project(tmp_path_factory.mktemp("clone") / "gradline")
 
 
 def _env(root: Path) -> dict[str, str]:
@@ -120,7 +99,8 @@ def test_run_trains_evaluates_and_registers(project: Path) -> None:
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
     assert artifacts, "no checkpoint recorded on the run"
     assert {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")} == {
-        "evaluation/confusion_matrix.png"
+        "evaluation/confusion_matrix.png",
+        "evaluation/loss_curves.png",
     }
     # The data version was pushed to the DVC remote.
     assert any((project / ".dvcstore").rglob("*"))

@@ -148,12 +148,32 @@ class RegistryConfig(_Section):
     model_name: str = Field("gradline-digits", min_length=1, description="registered model")
 
 
+class OrchestrateConfig(_Section):
+    device_limit: str = Field(
+        "gradline-devices",
+        min_length=1,
+        description="Prefect global concurrency limit holding one slot per training device",
+    )
+    device_slots: int = Field(
+        0,
+        ge=0,
+        description="slots the limit gets when gradline creates it (0: GPUs here, else CPUs)",
+    )
+    stage_retries: int = Field(2, ge=0, description="retries of a stage that crashed")
+    retry_delay_s: float = Field(5.0, ge=0.0)
+    mlflow_ui_url: str = Field(
+        "http://127.0.0.1:5000",
+        description="MLflow UI for links when the tracking store is local (`gradline ui`)",
+    )
+
+
 class Config(_Section):
     data: DataConfig = DataConfig()
     shard: ShardConfig = ShardConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     registry: RegistryConfig = RegistryConfig()
+    orchestrate: OrchestrateConfig = OrchestrateConfig()
 
     def flat(self) -> dict[str, Any]:
         """`section.key -> value`, the form MLflow params and DVC param names use."""
@@ -166,7 +186,7 @@ class Config(_Section):
 
 # Sections that say where results are recorded, not how they are computed: no DVC stage
 # depends on them, so changing them never makes a stage stale.
-UNTRACKED_SECTIONS = frozenset({"registry"})
+UNTRACKED_SECTIONS = frozenset({"registry", "orchestrate"})
 
 
 def _section_fields(section: str) -> list[str]:

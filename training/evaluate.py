@@ -68,3 +68,28 @@ def plot_confusion_matrix(pred: Predictions, num_classes: int, out: Path) -> Non
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def plot_loss_curves(history: dict[str, list[tuple[int, float]]], out: Path) -> None:
+    """Training and validation curves by step, from the run's metric history."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, style in (("train_loss", "-"), ("val_loss", "o-")):
+        if history.get(key):
+            steps, values = zip(*history[key], strict=True)
+            loss_ax.plot(steps, values, style, label=key, markersize=3)
+    loss_ax.set(xlabel="step", ylabel="loss", title="Loss", yscale="log")
+    loss_ax.legend()
+    if history.get("val_accuracy"):
+        steps, values = zip(*history["val_accuracy"], strict=True)
+        acc_ax.plot(steps, values, "o-", label="val_accuracy", markersize=3)
+        acc_ax.legend()
+    acc_ax.set(xlabel="step", ylabel="accuracy", title="Validation accuracy")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

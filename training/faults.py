@@ -1,8 +1,9 @@
 """Fault injection for tests and drills, read from GRADLINE_FAULT in each worker.
 
-Format: `KIND:rank=R:step=S[:seconds=X][:attempt=A]`, several separated by `;`.
+Format: `KIND:rank=R:step=S[:seconds=X][:attempt=A][:once=1]`, several separated by `;`.
   kill   - SIGKILL this worker when it reaches step S (on restart attempt A, default 0)
-  fail   - raise at step S on every attempt
+  fail   - raise at step S on every attempt; with once=1 only the first time in a job,
+           even across launches (a crash that a retried task gets past)
   stall  - stop making progress at step S (sleeps `seconds`, default forever)
   slow   - sleep `seconds` in every step from step S on (a straggler)
 Unset, it costs one attribute check per step.
@@ -31,6 +32,11 @@ class Fault:
     step: int
     seconds: float = 0.0
     attempt: int = 0
+    once: bool = False
+
+    @property
+    def marker(self) -> str:
+        return f"fault-fired-{self.kind}-rank{self.rank}-step{self.step}"
 
 
 def parse(spec: str) -> list[Fault]:
@@ -47,6 +53,7 @@ def parse(spec: str) -> list[Fault]:
                 int(values.get("step", 0)),
                 float(values.get("seconds", 0.0)),
                 int(values.get("attempt", 0)),
+                values.get("once", "0") not in ("0", "false", ""),
             )
         )
     return faults
@@ -78,6 +85,12 @@ class FaultPlan:
                     (self.record_dir / "killed.json").write_text(payload)
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "fail":
+                if fault.once:
+                    # Remembered beside the job's checkpoints, which outlive a launch.
+                    marker = self.record_dir.parent / fault.marker
+                    if marker.exists():
+                        continue
+                    marker.write_text("")
                 raise InjectedFailure(f"injected failure at step {step}")
             elif fault.kind == "stall":
                 time.sleep(fault.seconds or 10**6)

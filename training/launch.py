@@ -18,19 +18,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from training.errors import GradlineError
+from training.errors import CRASH_EXIT_CODE, PREEMPTED_EXIT_CODE, GradlineError
 from training.health import clear, describe, read_beats, read_failures
 from training.loop import HEARTBEATS, PREEMPT_FILE, TrainJob, worker_main
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request, state saved, run again to resume
-
 
 class TrainingFailed(GradlineError):
-    """Workers failed past the restart budget; the message names the rank(s)."""
+    """Workers failed past the restart budget; the message names the rank(s).
+    Running the job again resumes it from its latest checkpoint."""
+
+    exit_code = CRASH_EXIT_CODE
+    retryable = True
 
 
 class Preempted(GradlineError):
     exit_code = PREEMPTED_EXIT_CODE
+    retryable = True
 
 
 def free_port() -> int:

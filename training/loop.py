@@ -40,6 +40,7 @@ from training.errors import ConfigError
 from training.faults import FaultPlan
 from training.health import SYNC, Heartbeat, mark_resumed, record_failure
 from training.models import ModelSpec, build_model
+from training.progress import Progress
 from training.schedule import lr_at
 from training.timing import StepTimes, SyncTimer, find_stragglers, gather_times, interval_metrics
 from training.tracking import make_tracker, system_metrics
@@ -254,6 +255,7 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob, tracker) -> dict[str, An
         times.reset()
 
     # --- the loop -------------------------------------------------------------------
+    progress = Progress("train", total_steps, "steps", done=step) if ctx.is_main else None
     preempted = False
     on_gpu = ctx.device.type == "cuda"
     for epoch in range(position.epoch, tc.epochs):
@@ -302,12 +304,17 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob, tracker) -> dict[str, An
 
             step += 1
             times.steps += 1
+            if progress is not None:
+                progress.advance()
             losses.append(loss_sum)
             position = LoaderPosition(epoch=epoch, batch_index=index + 1)
-            if step % tc.log_every_steps == 0:
+            checkpoint_due = step % tc.checkpoint_every_steps == 0
+            # A checkpoint closes the logging interval too: a job resumed from it must
+            # find every step up to it already journaled, or its losses would be lost.
+            if step % tc.log_every_steps == 0 or checkpoint_due:
                 heartbeat.beat(step, SYNC)
                 end_interval()
-            if step % tc.checkpoint_every_steps == 0:
+            if checkpoint_due:
                 save_checkpoint()
             if step % tc.control_every_steps == 0:
                 heartbeat.beat(step, SYNC)
@@ -329,6 +336,8 @@ def train(cfg: Config, ctx: DistContext, job: TrainJob, tracker) -> dict[str, An
         if ctx.is_main:
             log.info("epoch %d step %d %s", epoch + 1, step, val)
 
+    if progress is not None:
+        progress.close()
     if losses:
         heartbeat.beat(step, SYNC)
         end_interval()

@@ -50,7 +50,7 @@ def register_and_gate(
     test_accuracy: float,
     test_digest: str,
     reevaluate: Callable[[str], float],
-    description: str = "",
+    tags: dict[str, str] | None = None,
 ) -> Registration:
     import mlflow
 
@@ -66,10 +66,38 @@ def register_and_gate(
         alias = ",".join(version.aliases) or "(no alias)"
         return Registration(model_name, int(version.version), alias, test_accuracy, None)
     champion_accuracy = _champion_accuracy(mlflow_client, model_name, test_digest, reevaluate)
-    version = mlflow.register_model(model_uri, model_name, tags={"gradline.run_id": run_id})
-    if description:
-        mlflow_client.update_model_version(model_name, version.version, description=description)
+    tags = {"gradline.run_id": run_id, **(tags or {})}
+    version = mlflow.register_model(model_uri, model_name, tags=tags)
     wins = champion_accuracy is None or test_accuracy > champion_accuracy
     alias = CHAMPION if wins else CHALLENGER
+    mlflow_client.update_model_version(
+        model_name,
+        version.version,
+        description=_describe(tags, test_accuracy, champion_accuracy, alias),
+    )
     mlflow_client.set_registered_model_alias(model_name, alias, version.version)
     return Registration(model_name, int(version.version), alias, test_accuracy, champion_accuracy)
+
+
+def _describe(
+    tags: dict[str, str], test_accuracy: float, champion_accuracy: float | None, alias: str
+) -> str:
+    """The version's description in the registry: what it scored and where it came from."""
+    versus = (
+        "first champion"
+        if champion_accuracy is None
+        else f"champion before it: {champion_accuracy:.4f} on the same test data"
+    )
+    lines = [
+        f"test_accuracy {test_accuracy:.4f} ({versus}); registered as {alias}.",
+        f"Trained in MLflow run {tags['gradline.run_id']}.",
+    ]
+    if "gradline.data_version" in tags:
+        lines.append(f"Data version (DVC md5 of data/raw): {tags['gradline.data_version']}.")
+    if "gradline.git_commit" in tags:
+        dirty = " with uncommitted changes" if tags.get("gradline.git_dirty") == "true" else ""
+        lines.append(f"Code: git commit {tags['gradline.git_commit']}{dirty}.")
+    if "gradline.prefect_flow_run_id" in tags:
+        lines.append(f"Prefect flow run {tags['gradline.prefect_flow_run_id']}.")
+    lines.append("`gradline lineage NAME/VERSION` prints the whole lineage.")
+    return " ".join(lines)

@@ -22,6 +22,7 @@ from training.tracking import (
     TAG_DATA_VERSION,
     TAG_FLOW_RUN,
     TAG_GIT_COMMIT,
+    TAG_GIT_DIRTY,
     TAG_JOB_KEY,
     client,
     default_artifact_location,
@@ -69,7 +70,7 @@ def open_job_run(
     tags = {TAG_DATA_VERSION: data_version, TAG_JOB_KEY: key}
     if commit := git_commit(root):
         tags[TAG_GIT_COMMIT] = commit[0]
-        tags["gradline.git_dirty"] = str(commit[1]).lower()
+        tags[TAG_GIT_DIRTY] = str(commit[1]).lower()
     if flow_run := os.environ.get(FLOW_RUN_ENV):
         tags[TAG_FLOW_RUN] = flow_run
     run = mlflow_client.create_run(experiment_id, tags=tags)

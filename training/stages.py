@@ -97,7 +97,12 @@ def read_train_result(result: Path) -> dict[str, Any]:
 def evaluate_stage(
     root: Path, model_dir: Path, shards: Path, result: Path, metrics_out: Path, plots: Path
 ) -> dict[str, float]:
-    from training.evaluate import classification_metrics, plot_confusion_matrix, predict_split
+    from training.evaluate import (
+        classification_metrics,
+        plot_confusion_matrix,
+        plot_loss_curves,
+        predict_split,
+    )
     from training.loop import load_model
 
     cfg = load_config(ProjectPaths(root).params)
@@ -116,12 +121,22 @@ def evaluate_stage(
     mlflow_client = client(default_tracking_uri(root))
     from mlflow.entities import Metric, RunTag
 
+    curves = plots / "loss_curves.png"
+    history = {
+        key: sorted(
+            (m.step, m.value) for m in mlflow_client.get_metric_history(trained["run_id"], key)
+        )
+        for key in ("train_loss", "val_loss", "val_accuracy")
+    }
+    plot_loss_curves(history, curves)
+
     step = int(trained["final"]["step"])
     mlflow_client.log_batch(
         trained["run_id"],
         metrics=[Metric(k, v, int(time.time() * 1000), step) for k, v in metrics.items()],
         tags=[RunTag(TAG_TEST_DIGEST, split_digest(manifest, "test"))],
     )
-    mlflow_client.log_artifact(trained["run_id"], str(image), "evaluation")
+    for figure in (image, curves):
+        mlflow_client.log_artifact(trained["run_id"], str(figure), "evaluation")
     log.info("evaluate: %s", metrics)
     return metrics

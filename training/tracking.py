@@ -19,6 +19,7 @@ TAG_FLOW_RUN = "gradline.prefect_flow_run_id"
 TAG_JOB_KEY = "gradline.job_key"
 TAG_TEST_DIGEST = "gradline.test_digest"
 TAG_GIT_COMMIT = "mlflow.source.git.commit"
+TAG_GIT_DIRTY = "gradline.git_dirty"
 FLOW_RUN_ENV = "GRADLINE_PREFECT_FLOW_RUN_ID"
 
 

@@ -17,6 +17,7 @@ from training.config import DataConfig
 from training.data.sources import open_chunks
 from training.data.validate import QUARANTINE_SCHEMA, ValidationReport, Validator
 from training.errors import DataError
+from training.progress import Progress
 
 ROWS_PER_RAW_FILE = 1_000_000
 QUARANTINE_FILE = "quarantine.parquet"
@@ -49,11 +50,19 @@ class _RollingParquet:
             self._writer = None
 
 
+def _expected_rows(cfg: DataConfig) -> int | None:
+    """Rows the source will yield, where known without reading it (for progress only)."""
+    if cfg.source != "synthetic":
+        return None
+    return min(cfg.synthetic_rows, cfg.max_rows or cfg.synthetic_rows)
+
+
 def ingest(
     cfg: DataConfig, root: Path, raw_dir: Path, quarantine_dir: Path, report_path: Path
 ) -> ValidationReport:
     validator = Validator(cfg)
-    with atomic_dir(raw_dir) as raw_stage, atomic_dir(quarantine_dir) as q_stage:
+    progress = Progress(f"ingest {cfg.source}", _expected_rows(cfg), "rows")
+    with progress, atomic_dir(raw_dir) as raw_stage, atomic_dir(quarantine_dir) as q_stage:
         raw = _RollingParquet(raw_stage, ROWS_PER_RAW_FILE)
         quarantine = pq.ParquetWriter(q_stage / QUARANTINE_FILE, QUARANTINE_SCHEMA)
         try:
@@ -63,6 +72,7 @@ def ingest(
                     raw.write(accepted)
                 if rejected.num_rows:
                     quarantine.write_table(rejected)
+                progress.advance(chunk.table.num_rows)
         finally:
             raw.close()
             quarantine.close()

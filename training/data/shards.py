@@ -24,6 +24,7 @@ from training.config import ShardConfig
 from training.data.hashing import unit_interval
 from training.data.sources import ROW_KEY, classes_of, shape_of
 from training.errors import DataError
+from training.progress import Progress
 
 SPLITS = ("train", "val", "test")
 MANIFEST = "manifest.json"
@@ -101,7 +102,8 @@ def write_shards(
     files = _raw_files(raw_dir)
     schema = pq.read_schema(files[0])
     target = max(1, int(cfg.target_shard_mb * 2**20))
-    with atomic_dir(out_dir) as staging:
+    rows_in = sum(pq.ParquetFile(path).metadata.num_rows for path in files)
+    with atomic_dir(out_dir) as staging, Progress("shard", rows_in, "rows") as progress:
         writers = [_SplitWriter(name, staging, target) for name in SPLITS]
         total = 0
         for path in files:
@@ -112,6 +114,7 @@ def write_shards(
                 for code, writer in enumerate(writers):
                     writer.add(table.filter(pa.array(codes == code)))
                 total += table.num_rows
+                progress.advance(table.num_rows)
         for writer in writers:
             writer.flush()
             if not writer.shards:

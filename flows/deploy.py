@@ -1,0 +1,138 @@
+"""`gradline serve`: register the deployments in prefect.yaml and run what they schedule.
+
+prefect.yaml is the one place deployments and their cron schedules are written down.
+Their parameters are the flow's: `overrides` (validated exactly like `gradline run
+--set`, before anything is registered) and `force`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from training.config import load_config
+from training.errors import ConfigError
+from training.paths import ProjectPaths
+
+ENTRYPOINT = "flows/pipeline.py:pipeline"
+FLOW_PARAMETERS = {"overrides", "force"}
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    name: str
+    parameters: dict[str, Any]
+    schedules: list[dict[str, Any]]
+    description: str = ""
+    tags: list[str] = field(default_factory=list)
+
+
+def _fail(source: Path, where: str, problem: str) -> ConfigError:
+    return ConfigError(f"{source}: {where}: {problem}")
+
+
+def _schedule(source: Path, where: str, raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, dict) or not isinstance(raw.get("cron"), str):
+        raise _fail(source, where, 'each schedule needs a cron string, e.g. cron: "0 2 * * *"')
+    unknown = set(raw) - {"cron", "timezone", "active"}
+    if unknown:
+        raise _fail(source, where, f"unknown keys {sorted(unknown)}; use cron, timezone, active")
+    from prefect.client.schemas.schedules import CronSchedule
+
+    try:  # the same check the server makes, so a typo fails here and not at 2 am
+        CronSchedule(cron=raw["cron"], timezone=raw.get("timezone"))
+    except ValueError as exc:
+        raise _fail(source, where, f"invalid schedule {raw}: {exc}") from exc
+    return raw
+
+
+def read_deployments(root: Path) -> list[DeploymentSpec]:
+    """prefect.yaml's deployments, every parameter validated against the config schema."""
+    source = root / "prefect.yaml"
+    if not source.is_file():
+        raise ConfigError(f"{source} not found: deployments are defined there")
+    document = yaml.safe_load(source.read_text()) or {}
+    specs = []
+    for i, raw in enumerate(document.get("deployments") or []):
+        where = f"deployments[{i}]"
+        name = raw.get("name")
+        if not name:
+            raise _fail(source, where, "a deployment needs a name")
+        where = f"deployment {name!r}"
+        if raw.get("entrypoint", ENTRYPOINT) != ENTRYPOINT:
+            raise _fail(source, where, f"entrypoint must be {ENTRYPOINT}")
+        parameters = dict(raw.get("parameters") or {})
+        unknown = set(parameters) - FLOW_PARAMETERS
+        if unknown:
+            raise _fail(
+                source,
+                where,
+                f"unknown parameters {sorted(unknown)}; the flow takes "
+                "overrides (a list of section.key=value) and force (true/false)",
+            )
+        overrides = parameters.get("overrides") or []
+        if not isinstance(overrides, list):
+            raise _fail(source, where, 'overrides must be a list, e.g. ["train.epochs=20"]')
+        try:
+            load_config(ProjectPaths(root).params, [str(o) for o in overrides])
+        except ConfigError as exc:
+            raise _fail(source, where, str(exc)) from exc
+        if not isinstance(parameters.get("force", False), bool):
+            raise _fail(source, where, "force must be true or false")
+        schedules = [
+            _schedule(source, f"{where} schedule {j}", s)
+            for j, s in enumerate(raw.get("schedules") or [])
+        ]
+        specs.append(
+            DeploymentSpec(
+                name, parameters, schedules, raw.get("description", ""), raw.get("tags") or []
+            )
+        )
+    if not specs:
+        raise ConfigError(f"{source} defines no deployments")
+    return specs
+
+
+def serve_deployments(root: Path, names: list[str]) -> None:
+    """Register the chosen deployments and execute their runs until interrupted.
+
+    Flow runs of one project go one at a time (`limit=1`): they share its DVC workspace.
+    """
+    from prefect import serve
+    from prefect.schedules import Cron
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().api.url:
+        raise ConfigError(
+            "PREFECT_API_URL is not set: schedules need a running Prefect server. Start "
+            "one (`gradline ui` or `prefect server start`) and set "
+            "PREFECT_API_URL=http://127.0.0.1:4200/api"
+        )
+    specs = read_deployments(root)
+    if names:
+        unknown = set(names) - {s.name for s in specs}
+        if unknown:
+            known = ", ".join(s.name for s in specs)
+            raise ConfigError(f"no deployment named {sorted(unknown)} in prefect.yaml ({known})")
+        specs = [s for s in specs if s.name in names]
+    os.chdir(root)  # the entrypoint is a path relative to the project root
+    from flows.pipeline import pipeline
+
+    deployments = [
+        pipeline.to_deployment(
+            name=spec.name,
+            parameters=spec.parameters,
+            schedules=[
+                Cron(s["cron"], timezone=s.get("timezone"), active=s.get("active", True))
+                for s in spec.schedules
+            ],
+            description=spec.description or None,
+            tags=spec.tags or None,
+        )
+        for spec in specs
+    ]
+    serve(*deployments, limit=1)

@@ -1,0 +1,134 @@
+"""`gradline lineage` and `gradline runs`: answers for people, read from MLflow."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import yaml
+
+from training.config import load_config
+from training.errors import DataError
+from training.lineage import (
+    model_version_url,
+    parse_model_ref,
+    read_lineage,
+    run_url,
+    ui_base,
+)
+from training.paths import ProjectPaths
+from training.tracking import TAG_DATA_VERSION, client, default_tracking_uri
+
+KEY_METRICS = ("test_accuracy", "test_macro_f1", "test_loss", "val_accuracy")
+
+
+def _prefect_flow_run_url(flow_run_id: str) -> str:
+    from prefect.settings import get_current_settings
+
+    base = get_current_settings().ui_url  # derived from PREFECT_API_URL when that is set
+    if not base:
+        return "(set PREFECT_API_URL to the server that ran it for a link)"
+    return f"{base.rstrip('/')}/runs/flow-run/{flow_run_id}"
+
+
+def lineage_text(root: Path, ref_text: str) -> str:
+    cfg = load_config(ProjectPaths(root).params)
+    tracking_uri = default_tracking_uri(root)
+    lineage = read_lineage(tracking_uri, parse_model_ref(ref_text))
+    base = ui_base(tracking_uri, cfg.orchestrate.mlflow_ui_url)
+    aliases = ", ".join(lineage.aliases) or "none"
+    dirty = " (with uncommitted changes)" if lineage.git_dirty else ""
+    name = f"{lineage.model_name}/{lineage.version}"
+    lines = [
+        f"model        {name}  aliases: {aliases}",
+        f"             {model_version_url(base, lineage.model_name, lineage.version)}",
+        f"description  {lineage.description}",
+        f"MLflow run   {lineage.run_id} ({lineage.run_status})",
+        f"             {run_url(base, lineage.experiment_id, lineage.run_id)}",
+        f"data version {lineage.data_version}  (DVC md5 of data/raw; dataset {lineage.dataset})",
+        f"             restore it: gradline lineage {name} --restore-data data/restored",
+        f"git commit   {lineage.git_commit}{dirty}",
+        f"flow run     {lineage.flow_run_id or '(not run by Prefect)'}",
+    ]
+    if lineage.flow_run_id:
+        lines.append(f"             {_prefect_flow_run_url(lineage.flow_run_id)}")
+    lines.append("metrics")
+    lines += [f"  {k:<28} {v:.6g}" for k, v in sorted(lineage.metrics.items()) if "/" not in k]
+    lines.append("params")
+    lines += [f"  {k:<28} {v}" for k, v in sorted(lineage.params.items())]
+    return "\n".join(lines)
+
+
+def restore_data(root: Path, ref_text: str, dest: Path) -> Path:
+    """Check out the model's training data with DVC (from the cache or the DVC remote)."""
+    lineage = read_lineage(default_tracking_uri(root), parse_model_ref(ref_text))
+    if not lineage.data_version.endswith(".dir"):
+        raise DataError(f"{ref_text}: its run records no DVC data version")
+    target = (root / dest).resolve() if not dest.is_absolute() else dest.resolve()
+    if not target.is_relative_to(root):
+        raise DataError(f"--restore-data {dest}: must be a folder inside the project {root}")
+    if target.exists() and any(target.iterdir()):
+        raise DataError(f"--restore-data {dest}: exists and is not empty; name a new folder")
+    # A throwaway .dvc file naming that md5 lets DVC fetch and check it out like any output.
+    pointer = target.with_name(target.name + ".dvc")
+    pointer.write_text(
+        # `hash: md5` marks a DVC 3 entry; without it DVC looks in its 2.x cache layout.
+        yaml.safe_dump(
+            {"outs": [{"md5": lineage.data_version, "hash": "md5", "path": target.name}]}
+        )
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dvc", "pull", str(pointer.relative_to(root))],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        pointer.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        raise DataError(
+            f"dvc could not restore data version {lineage.data_version}: "
+            f"{(proc.stdout + proc.stderr)[-2000:]}"
+        )
+    return target
+
+
+def runs_text(root: Path, limit: int) -> str:
+    cfg = load_config(ProjectPaths(root).params)
+    mlflow_client = client(default_tracking_uri(root))
+    experiment = mlflow_client.get_experiment_by_name(cfg.registry.experiment)
+    if experiment is None:
+        return f"no runs yet in experiment {cfg.registry.experiment!r}; start one: gradline run"
+    runs = mlflow_client.search_runs(
+        [experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit
+    )
+    versions = {}
+    for found in mlflow_client.search_model_versions(f"name='{cfg.registry.model_name}'"):
+        # search results leave aliases out; the version itself has them
+        version = mlflow_client.get_model_version(found.name, found.version)
+        versions[version.run_id] = f"v{version.version}" + "".join(
+            f" @{a}" for a in version.aliases
+        )
+    header = ("started (UTC)", "run", "status", "data", *KEY_METRICS, "model version")
+    rows = [header]
+    for run in runs:
+        started = datetime.fromtimestamp(run.info.start_time / 1000, UTC)
+        metrics = run.data.metrics
+        rows.append(
+            (
+                started.strftime("%Y-%m-%d %H:%M"),
+                run.info.run_id[:12],
+                run.info.status,
+                run.data.tags.get(TAG_DATA_VERSION, "")[:10],
+                *(f"{metrics[k]:.4f}" if k in metrics else "-" for k in KEY_METRICS),
+                versions.get(run.info.run_id, "-"),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )

@@ -1,0 +1,66 @@
+"""The device quota: a Prefect global concurrency limit with one slot per training device.
+
+A training job holds as many slots as it starts workers (one GPU each under CUDA, one
+CPU process otherwise) for as long as it trains, so flows started together queue for
+the devices instead of oversubscribing them. The limit is shared by every flow that
+talks to the same Prefect server; an administrator sizes it with
+`prefect global-concurrency-limit update NAME --limit N`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from prefect import get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+from training.config import Config
+from training.errors import ConfigError
+
+
+class QuotaTooSmall(ConfigError):
+    """The job needs more devices than the quota will ever grant."""
+
+
+def devices_here() -> int:
+    """What this machine can train on: its GPUs, or its CPU cores when it has none."""
+    import torch
+
+    return torch.cuda.device_count() or os.cpu_count() or 1
+
+
+def ensure_limit(name: str, slots: int) -> int:
+    """The limit's size, creating the limit with `slots` (0: devices here) if missing."""
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_global_concurrency_limit_by_name(name).limit
+        except ObjectNotFound:
+            pass
+        with contextlib.suppress(ObjectAlreadyExists):  # another flow created it first
+            client.create_global_concurrency_limit(
+                GlobalConcurrencyLimitCreate(name=name, limit=slots or devices_here())
+            )
+        return client.read_global_concurrency_limit_by_name(name).limit
+
+
+@contextlib.contextmanager
+def device_slots(cfg: Config) -> Iterator[int]:
+    """Hold one slot per training worker for the duration of the block."""
+    name, needed = cfg.orchestrate.device_limit, cfg.train.world_size
+    size = ensure_limit(name, cfg.orchestrate.device_slots)
+    if needed > size:
+        raise QuotaTooSmall(
+            f"train.world_size={needed} needs {needed} device slots but the Prefect "
+            f"concurrency limit {name!r} has {size}: lower train.world_size, or raise the "
+            f"limit with `prefect global-concurrency-limit update {name} --limit {needed}`"
+        )
+    logger = get_run_logger()
+    logger.info("waiting for %d of %d slots of device quota %r", needed, size, name)
+    with concurrency(name, occupy=needed, strict=True):
+        logger.info("holding %d slots of device quota %r", needed, name)
+        yield needed

@@ -1,0 +1,124 @@
+"""The pieces of orchestration that need no server: prefect.yaml validation, model
+references, the retry contract, progress reporting, one-shot faults."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.deploy import read_deployments
+from training.errors import (
+    CRASH_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    ConfigError,
+    TrackingError,
+    is_retryable_exit,
+)
+from training.faults import FaultPlan, InjectedFailure, parse
+from training.launch import Preempted, TrainingFailed
+from training.lineage import ModelRef, parse_model_ref
+from training.progress import Progress
+
+from .conftest import REPO
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    for name in ("params.yaml", "dvc.yaml", "prefect.yaml"):
+        shutil.copy(REPO / name, tmp_path / name)
+    return tmp_path
+
+
+def _edit_deployment(project: Path, **changes) -> None:
+    document = yaml.safe_load((project / "prefect.yaml").read_text())
+    document["deployments"][0].update(changes)
+    (project / "prefect.yaml").write_text(yaml.safe_dump(document))
+
+
+def test_shipped_prefect_yaml_is_valid(project: Path) -> None:
+    (nightly,) = read_deployments(project)
+    assert nightly.name == "nightly"
+    assert nightly.parameters == {"overrides": [], "force": False}
+    assert nightly.schedules == [{"cron": "0 2 * * *", "timezone": "UTC"}]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"parameters": {"overrides": ["train.lr=fast"]}}, "train.lr"),
+        ({"parameters": {"overrides": ["train.epoch=3"]}}, "unknown key train.epoch"),
+        ({"parameters": {"overrides": "train.lr=0.1"}}, "overrides must be a list"),
+        ({"parameters": {"force": "yes"}}, "force must be true or false"),
+        ({"parameters": {"root": "/tmp"}}, "unknown parameters ['root']"),
+        ({"schedules": [{"cron": "every night"}]}, "invalid schedule"),
+        ({"schedules": [{"cron": "0 2 * * *", "timezone": "Mars/Olympus"}]}, "invalid"),
+        ({"schedules": [{"interval": 60}]}, "needs a cron string"),
+        ({"entrypoint": "flows/other.py:main"}, "entrypoint must be"),
+    ],
+)
+def test_bad_deployments_are_refused_naming_the_problem(
+    project: Path, changes: dict, message: str
+) -> None:
+    _edit_deployment(project, **changes)
+    with pytest.raises(ConfigError, match="deployment 'nightly'") as info:
+        read_deployments(project)
+    assert message in str(info.value)
+
+
+def test_model_references() -> None:
+    assert parse_model_ref("m@challenger") == ModelRef("m", "challenger", None)
+    assert parse_model_ref("m/3") == ModelRef("m", None, 3)
+    assert parse_model_ref("models:/m@champion") == ModelRef("m", "champion", None)
+    assert parse_model_ref("m") == ModelRef("m", "champion", None)
+    with pytest.raises(TrackingError, match="NAME@ALIAS"):
+        parse_model_ref("m/latest")
+
+
+def test_only_user_errors_are_final() -> None:
+    assert not is_retryable_exit(USER_ERROR_EXIT_CODE)
+    for code in (1, CRASH_EXIT_CODE, PREEMPTED_EXIT_CODE, -9, None):
+        assert is_retryable_exit(code)
+    assert (ConfigError.exit_code, ConfigError.retryable) == (USER_ERROR_EXIT_CODE, False)
+    assert (TrainingFailed.exit_code, TrainingFailed.retryable) == (CRASH_EXIT_CODE, True)
+    assert (Preempted.exit_code, Preempted.retryable) == (PREEMPTED_EXIT_CODE, True)
+
+
+def test_retry_condition_reads_the_failure() -> None:
+    from prefect.states import Failed
+
+    from tasks.dvc_stages import StageFailed, retry_unless_user_error
+
+    def failed_with(exc: BaseException):
+        return Failed(data=exc)
+
+    crash = StageFailed("workers died", CRASH_EXIT_CODE, retryable=True)
+    bad_data = StageFailed("label 12 outside 0..9", USER_ERROR_EXIT_CODE, retryable=False)
+    assert retry_unless_user_error(None, None, failed_with(crash))
+    assert not retry_unless_user_error(None, None, failed_with(bad_data))
+    assert not retry_unless_user_error(None, None, failed_with(ConfigError("bad")))
+    assert retry_unless_user_error(None, None, failed_with(OSError("disk hiccup")))
+
+
+def test_plain_progress_logs_every_tenth(monkeypatch, caplog) -> None:
+    monkeypatch.setenv("GRADLINE_PROGRESS", "plain")
+    with caplog.at_level(logging.INFO, logger="gradline"), Progress("train", 100, "steps") as bar:
+        for _ in range(100):
+            bar.advance()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "train: 10/100 steps (10%)" and lines[-1] == "train: 100/100 steps (100%)"
+    assert len(lines) == 10
+
+
+def test_a_once_fault_fires_once_per_job(tmp_path: Path) -> None:
+    health = tmp_path / "health"
+    health.mkdir()
+    plan = FaultPlan(parse("fail:rank=0:step=3:once=1"), rank=0, record_dir=health)
+    with pytest.raises(InjectedFailure):
+        plan.at_step(3)
+    plan_after_retry = FaultPlan(parse("fail:rank=0:step=3:once=1"), rank=0, record_dir=health)
+    plan_after_retry.at_step(3)  # the job already failed here once: no second failure

@@ -1,0 +1,405 @@
+"""Orchestration against a real `prefect server start` on 127.0.0.1: the served cron
+deployment, skip-when-unchanged, retraining on new data, the device quota, retries that
+resume, failures that do not retry, lineage and the run list."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from .conftest import REPO, copy_project
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+BIN = Path(sys.executable).parent
+MODEL = "gradline-digits"
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+# Small and quick: 1 worker, a few epochs, checkpoints often enough to resume mid-run.
+SMALL = {
+    "train.world_size": 1,
+    "train.epochs": 4,
+    "train.checkpoint_every_steps": 10,
+    "orchestrate.retry_delay_s": 1,
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen, sig: int) -> None:
+    """Stop a process group politely, then surely."""
+    os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A real Prefect server on 127.0.0.1 with its own database."""
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        DO_NOT_TRACK="1",
+    )
+    log = (home / "server.log").open("w")
+    proc = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    api = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{api}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()}")
+        time.sleep(0.5)
+    try:
+        yield api
+    finally:
+        _stop(proc, signal.SIGTERM)
+        log.close()
+
+
+def _client(api: str):
+    from prefect.client.orchestration import SyncPrefectClient
+
+    return SyncPrefectClient(api=api)
+
+
+def _env(root: Path, api: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    env["PATH"] = str(BIN) + os.pathsep + env["PATH"]
+    env.update(
+        PREFECT_HOME=str(root / ".prefect-home"),
+        PREFECT_API_URL=api,
+        PREFECT_RUNNER_POLL_FREQUENCY="1",
+        GRADLINE_PROGRESS="plain",
+    )
+    env.update(extra)
+    return env
+
+
+def _gradline(root: Path, api: str, *args: str, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "gradline"), *args],
+        cwd=root,
+        env=_env(root, api, **extra),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _project(root: Path, **params) -> Path:
+    from training.config import write_overrides
+
+    copy_project(root)
+    settings = {**SMALL, **params}
+    write_overrides(root / "params.yaml", [f"{k}={v}" for k, v in settings.items()])
+    return root
+
+
+def _write_digits_csv(path: Path, rows: slice) -> None:
+    """Real data as a user would drop it in: sklearn's digits, one CSV per delivery."""
+    import pandas as pd
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    frame = pd.DataFrame(digits.data[rows], columns=[f"p{i}" for i in range(64)])
+    frame.insert(0, "label", digits.target[rows])
+    frame.insert(0, "key", np.arange(len(digits.target))[rows])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(path, index=False)
+
+
+def _mlflow(root: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(f"sqlite:///{root / 'mlflow' / 'mlflow.db'}")
+
+
+def _wait_for_flow_run(api: str, flow_run_id, timeout: float = 400):
+    deadline = time.monotonic() + timeout
+    with _client(api) as client:
+        while time.monotonic() < deadline:
+            run = client.read_flow_run(flow_run_id)
+            if run.state and run.state.type.value in TERMINAL:
+                return run
+            time.sleep(1)
+    pytest.fail(f"flow run {flow_run_id} did not finish in {timeout} s")
+
+
+def _filter(api: str, what: str, body: dict) -> list[dict]:
+    """POST /{what}/filter with only the fields given. (Prefect 3.8.8's client sends
+    explicit nulls for the others, which its server rejects with 422 here.)"""
+    request = urllib.request.Request(
+        f"{api}/{what}/filter",
+        data=json.dumps({"limit": 200, **body}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def _task_runs(api: str, flow_run_id) -> dict[str, list[dict]]:
+    runs = _filter(api, "task_runs", {"flow_runs": {"id": {"any_": [str(flow_run_id)]}}})
+    by_name: dict[str, list[dict]] = {}
+    for run in runs:
+        by_name.setdefault(run["name"], []).append(run)
+    return by_name
+
+
+def _summary_markdown(api: str, flow_run_id) -> str:
+    artifacts = _filter(
+        api, "artifacts", {"artifacts": {"flow_run_id": {"any_": [str(flow_run_id)]}}}
+    )
+    summaries = [a for a in artifacts if a["key"] == "gradline-run-summary"]
+    assert len(summaries) == 1, [(a["key"], a["type"], a["description"]) for a in artifacts]
+    return summaries[0]["data"]
+
+
+@pytest.fixture(scope="module")
+def served(server, tmp_path_factory):
+    """A CSV-fed project whose prefect.yaml deployment is served against the server."""
+    root = _project(
+        tmp_path_factory.mktemp("served") / "gradline",
+        **{"data.source": "csv", "data.key_column": "key", "data.num_classes": 10},
+    )
+    _write_digits_csv(root / "data" / "incoming" / "part-1.csv", slice(0, 900))
+    log = (root / "serve.log").open("w")
+    proc = subprocess.Popen(
+        [str(BIN / "gradline"), "serve"],
+        cwd=root,
+        env=_env(root, server),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        yield root, proc
+    finally:
+        _stop(proc, signal.SIGINT)  # what Ctrl-C does: serve pauses its schedule and exits
+        log.close()
+
+
+def _deployment(api: str, proc, timeout: float = 120):
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + timeout
+    with _client(api) as client:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "gradline serve exited"
+            try:
+                return client.read_deployment_by_name("gradline/nightly")
+            except ObjectNotFound:
+                time.sleep(1)
+    pytest.fail("the deployment was not registered")
+
+
+def _run_deployment(api: str, deployment_id, **parameters):
+    with _client(api) as client:
+        flow_run = client.create_flow_run_from_deployment(deployment_id, parameters=parameters)
+    return _wait_for_flow_run(api, flow_run.id)
+
+
+def test_served_deployment_retrains_only_when_something_changed(server, served) -> None:
+    root, proc = served
+    deployment = _deployment(server, proc)
+    (declared,) = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    crons = [(s.schedule.cron, s.schedule.timezone) for s in deployment.schedules]
+    assert crons == [(s["cron"], s["timezone"]) for s in declared["schedules"]]
+    assert deployment.parameters == {"overrides": [], "force": False}
+
+    first = _run_deployment(server, deployment.id)
+    assert first.state.type.value == "COMPLETED", (root / "serve.log").read_text()[-4000:]
+    mlflow = _mlflow(root)
+    v1 = mlflow.get_model_version(MODEL, "1")
+    assert mlflow.get_run(v1.run_id).data.tags["gradline.prefect_flow_run_id"] == str(first.id)
+    markdown = _summary_markdown(server, first.id)
+    assert f"/#/experiments/1/runs/{v1.run_id}" in markdown
+    assert f"/#/models/{MODEL}/versions/1" in markdown
+    assert "| test_accuracy |" in markdown
+    snapshot = {p.name: p.read_bytes() for p in (root / "data" / "raw").iterdir()}
+
+    second = _run_deployment(server, deployment.id)
+    assert second.state.name == "Skipped"
+    assert second.state.message == f"up to date with run {v1.run_id}"
+    assert "train" not in _task_runs(server, second.id)
+    assert len(mlflow.search_model_versions(f"name='{MODEL}'")) == 1
+
+    _write_digits_csv(root / "data" / "incoming" / "part-2.csv", slice(900, 1400))
+    third = _run_deployment(server, deployment.id)
+    assert third.state.type.value == "COMPLETED", (root / "serve.log").read_text()[-4000:]
+    v2 = mlflow.get_model_version(MODEL, "2")
+    assert v2.tags["gradline.data_version"] != v1.tags["gradline.data_version"]
+    assert v2.tags["gradline.prefect_flow_run_id"] == str(third.id)
+    assert v2.tags["gradline.git_commit"] == v1.tags["gradline.git_commit"]
+    assert v2.description.startswith("test_accuracy")
+    assert v1.tags["gradline.data_version"] in v1.description
+    aliases = mlflow.get_registered_model(MODEL).aliases
+    assert set(aliases.values()) <= {1, 2} and "champion" in aliases
+    # The compare view lines runs up: the same param and metric names on both.
+    run1, run2 = mlflow.get_run(v1.run_id), mlflow.get_run(v2.run_id)
+    assert set(run1.data.params) == set(run2.data.params)
+    assert {"test_accuracy", "val_loss"} <= set(run1.data.metrics) & set(run2.data.metrics)
+    artifacts = {a.path for a in mlflow.list_artifacts(v2.run_id, "evaluation")}
+    assert artifacts == {"evaluation/confusion_matrix.png", "evaluation/loss_curves.png"}
+
+    # Lineage of the first version names its data version, and DVC checks it out again
+    # although data/raw has moved on.
+    proc_lineage = _gradline(root, server, "lineage", f"{MODEL}/1")
+    assert proc_lineage.returncode == 0, proc_lineage.stderr
+    out = proc_lineage.stdout
+    assert f"data version {v1.tags['gradline.data_version']}" in out
+    assert v1.tags["gradline.git_commit"] in out and str(first.id) in out
+    assert f"runs/flow-run/{first.id}" in out
+    assert "train.epochs" in out and "test_accuracy" in out
+    restored = _gradline(root, server, "lineage", f"{MODEL}/1", "--restore-data", "data/v1")
+    assert restored.returncode == 0, restored.stderr
+    assert {p.name: p.read_bytes() for p in (root / "data" / "v1").iterdir()} == snapshot
+
+    listing = _gradline(root, server, "runs")
+    assert listing.returncode == 0, listing.stderr
+    lines = listing.stdout.splitlines()
+    assert "test_accuracy" in lines[0]
+    assert lines[1].split()[2] == v2.run_id[:12] and "v2" in lines[1]
+    assert lines[2].split()[2] == v1.run_id[:12] and "v1" in lines[2]
+
+
+def test_deployment_with_bad_overrides_fails_without_retry(server, served) -> None:
+    _, proc = served
+    deployment = _deployment(server, proc)
+    failed = _run_deployment(server, deployment.id, overrides=["train.lr=fast"])
+    assert failed.state.type.value == "FAILED"
+    assert "train.lr" in failed.state.message
+    tasks = _task_runs(server, failed.id)
+    assert [t["run_count"] for t in tasks["apply-params"]] == [1]
+    assert "ingest" not in tasks and "train" not in tasks
+    assert "train.lr" in _summary_markdown(server, failed.id)
+
+
+def test_bad_data_fails_at_once_with_the_cause(server, tmp_path) -> None:
+    root = _project(
+        tmp_path / "gradline",
+        **{"data.source": "csv", "data.key_column": "key", "data.num_classes": 5},
+    )
+    _write_digits_csv(root / "data" / "incoming" / "part-1.csv", slice(0, 300))
+    proc = _gradline(root, server, "run")
+    assert proc.returncode != 0
+    assert "label" in proc.stderr
+    flow_run_id = next(
+        line.split("flow-run/")[1].split()[0]
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if "flow-run/" in line
+    )
+    ingest = _task_runs(server, flow_run_id)["ingest"]
+    assert [t["run_count"] for t in ingest] == [1]  # stage retries are for crashes only
+    assert ingest[0]["state"]["type"] == "FAILED"
+    assert "DataError" in _summary_markdown(server, flow_run_id)
+
+
+@pytest.fixture(scope="module")
+def quota_projects(server, tmp_path_factory):
+    """Two projects whose flows start together under a device quota of one slot."""
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    limit = "gradline-test-devices"
+    with _client(server) as client:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=limit, limit=1))
+    base = tmp_path_factory.mktemp("quota")
+    roots = [
+        _project(base / name, **{"orchestrate.device_limit": limit, "data.max_rows": 600})
+        for name in ("a", "b")
+    ]
+    procs = [
+        subprocess.Popen(
+            [str(BIN / "gradline"), "run"],
+            cwd=root,
+            env=_env(root, server),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for root in roots
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for proc, output in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, output[-4000:]
+    return roots
+
+
+def _train_task_run(api: str, root: Path):
+    run_id = json.loads((root / "result.json").read_text())["run_id"]
+    flow_run_id = _mlflow(root).get_run(run_id).data.tags["gradline.prefect_flow_run_id"]
+    (train,) = _task_runs(api, flow_run_id)["train"]
+    return train
+
+
+def test_flows_sharing_one_device_train_one_after_the_other(server, quota_projects) -> None:
+    first, second = sorted(
+        (_train_task_run(server, root) for root in quota_projects), key=lambda t: t["start_time"]
+    )
+    end, start = (datetime.fromisoformat(t) for t in (first["end_time"], second["start_time"]))
+    assert end <= start, (end, start)
+
+    # A job that needs more devices than the quota has fails at once, saying so.
+    root = quota_projects[0]
+    proc = _gradline(root, server, "run", "--set", "train.world_size=2")
+    assert proc.returncode == 2
+    assert "raise the limit" in proc.stderr and "gradline-test-devices" in proc.stderr
+
+
+def test_retried_training_continues_the_same_run(server, quota_projects) -> None:
+    root = quota_projects[1]
+    proc = _gradline(
+        root,
+        server,
+        "run",
+        "--force",
+        "--set",
+        "train.max_restarts=0",
+        GRADLINE_FAULT="fail:rank=0:step=15:once=1",
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    train = _train_task_run(server, root)
+    assert train["run_count"] == 2  # failed once, retried once
+    run_id = json.loads((root / "result.json").read_text())["run_id"]
+    assert f"MLflow run {run_id} (resumed)" in proc.stdout + proc.stderr
+    history = _mlflow(root).get_metric_history(run_id, "train_loss")
+    steps = sorted(m.step for m in history)
+    assert steps == list(range(1, steps[-1] + 1))  # one value per step, no gap
+    job_runs = _mlflow(root).search_runs(
+        [_mlflow(root).get_run(run_id).info.experiment_id],
+        filter_string=f"tags.`gradline.prefect_flow_run_id` = '{train['flow_run_id']}'",
+    )
+    assert [r.info.run_id for r in job_runs] == [run_id]

@@ -1,0 +1,143 @@
+"""Where a model version came from: its run, data version, code, params, flow run, metrics.
+
+Everything here is read back from the MLflow registry and run; nothing is kept aside.
+A model is named as `NAME@ALIAS`, `NAME/VERSION`, `models:/NAME@ALIAS`, or `NAME` alone
+(the `champion`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from training.errors import TrackingError
+from training.tracking import (
+    TAG_DATA_VERSION,
+    TAG_FLOW_RUN,
+    TAG_GIT_COMMIT,
+    TAG_GIT_DIRTY,
+    TAG_JOB_KEY,
+    client,
+)
+
+# Copied onto each model version, so the registry alone answers "where from?".
+LINEAGE_TAGS = {
+    TAG_DATA_VERSION: "gradline.data_version",
+    TAG_GIT_COMMIT: "gradline.git_commit",
+    TAG_GIT_DIRTY: "gradline.git_dirty",
+    TAG_FLOW_RUN: "gradline.prefect_flow_run_id",
+    TAG_JOB_KEY: "gradline.job_key",
+}
+REF_PATTERN = re.compile(
+    r"^(?:models:/)?(?P<name>[^@/]+)(?:@(?P<alias>[^@/]+)|/(?P<version>\d+))?$"
+)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    name: str
+    alias: str | None = None
+    version: int | None = None
+
+    def __str__(self) -> str:
+        if self.version is not None:
+            return f"{self.name}/{self.version}"
+        return f"{self.name}@{self.alias}"
+
+
+def parse_model_ref(text: str, default_alias: str = "champion") -> ModelRef:
+    match = REF_PATTERN.match(text.strip())
+    if not match:
+        raise TrackingError(
+            f"{text!r} does not name a model version: use NAME@ALIAS (gradline-digits@champion)"
+            " or NAME/VERSION (gradline-digits/3)"
+        )
+    version = match["version"]
+    alias = match["alias"] or (None if version else default_alias)
+    return ModelRef(match["name"], alias, int(version) if version else None)
+
+
+def ui_base(tracking_uri: str, local_ui_url: str) -> str:
+    """The MLflow UI that shows this store: the server itself, or `gradline ui`'s."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri.rstrip("/")
+    return local_ui_url.rstrip("/")
+
+
+def run_url(base: str, experiment_id: str, run_id: str) -> str:
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def model_version_url(base: str, name: str, version: int) -> str:
+    return f"{base}/#/models/{name}/versions/{version}"
+
+
+@dataclass(frozen=True)
+class Lineage:
+    model_name: str
+    version: int
+    aliases: list[str]
+    description: str
+    run_id: str
+    experiment_id: str
+    run_status: str
+    data_version: str
+    dataset: str
+    git_commit: str
+    git_dirty: bool
+    flow_run_id: str
+    params: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_version(mlflow_client, ref: ModelRef):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        if ref.version is not None:
+            return mlflow_client.get_model_version(ref.name, str(ref.version))
+        return mlflow_client.get_model_version_by_alias(ref.name, ref.alias)
+    except MlflowException as exc:
+        known = mlflow_client.search_model_versions(f"name='{ref.name}'")
+        if not known:
+            raise TrackingError(
+                f"no registered model {ref.name!r} in this tracking store; `gradline runs` "
+                "lists the runs, and `gradline run` registers a model"
+            ) from exc
+        aliases: dict[str, list[str]] = {}
+        for alias, version in mlflow_client.get_registered_model(ref.name).aliases.items():
+            aliases.setdefault(str(version), []).append(alias)
+        choices = ", ".join(
+            f"{ref.name}/{v}" + "".join(f" ({ref.name}@{a})" for a in aliases.get(str(v), []))
+            for v in sorted((v.version for v in known), key=int)
+        )
+        raise TrackingError(f"{ref} not found; registered: {choices}") from exc
+
+
+def read_lineage(tracking_uri: str, ref: ModelRef) -> Lineage:
+    mlflow_client = client(tracking_uri)
+    version = resolve_version(mlflow_client, ref)
+    run = mlflow_client.get_run(version.run_id)
+    tags = run.data.tags
+    datasets = [d.dataset.name for d in run.inputs.dataset_inputs]
+    return Lineage(
+        model_name=ref.name,
+        version=int(version.version),
+        aliases=list(version.aliases),
+        description=version.description or "",
+        run_id=run.info.run_id,
+        experiment_id=run.info.experiment_id,
+        run_status=run.info.status,
+        data_version=tags.get(TAG_DATA_VERSION, ""),
+        dataset=", ".join(datasets),
+        git_commit=tags.get(TAG_GIT_COMMIT, ""),
+        git_dirty=tags.get(TAG_GIT_DIRTY) == "true",
+        flow_run_id=tags.get(TAG_FLOW_RUN, ""),
+        params=dict(run.data.params),
+        metrics=dict(run.data.metrics),
+    )
+
+
+def version_tags(run_tags: dict[str, str]) -> dict[str, str]:
+    """The lineage tags a model version carries, taken from its training run's tags."""
+    return {dst: run_tags[src] for src, dst in LINEAGE_TAGS.items() if src in run_tags}
