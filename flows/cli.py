@@ -43,21 +43,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_lineage(args: argparse.Namespace) -> int:
     from flows.review import lineage_text, restore_data
     from training.paths import find_project_root
+    from training.tracking import default_tracking_uri, store_errors
 
     root = find_project_root()
-    if args.restore_data:
-        target = restore_data(root, args.model, Path(args.restore_data))
-        print(f"restored the training data of {args.model} into {target}")
-        return 0
-    print(lineage_text(root, args.model))
+    with store_errors(default_tracking_uri(root)):
+        if args.restore_data:
+            target = restore_data(root, args.model, Path(args.restore_data))
+            print(f"restored the training data of {args.model} into {target}")
+        else:
+            print(lineage_text(root, args.model))
     return 0
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
     from flows.review import runs_text
     from training.paths import find_project_root
+    from training.tracking import default_tracking_uri, store_errors
 
-    print(runs_text(find_project_root(), args.limit))
+    root = find_project_root()
+    with store_errors(default_tracking_uri(root)):
+        print(runs_text(root, args.limit))
     return 0
 
 
@@ -92,6 +97,13 @@ def _cmd_ui(args: argparse.Namespace) -> int:
     from training.paths import find_project_root
 
     return serve_uis(find_project_root(), args.mlflow_port, args.prefect_port)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.set_defaults(func=_cmd_lineage)
 
     runs = sub.add_parser("runs", help="recent runs with their key metrics")
-    runs.add_argument("-n", "--limit", type=int, default=20)
+    runs.add_argument("-n", "--limit", type=_positive_int, default=20)
     runs.set_defaults(func=_cmd_runs)
 
     stage = sub.add_parser("stage", help="run one DVC stage (what dvc.yaml calls)")
@@ -167,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gradline: error: {exc}", file=sys.stderr)
         _record_error(exc)
         return exc.exit_code
+    except BrokenPipeError:  # `gradline lineage ... | head`: the reader has had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _record_error(exc: GradlineError) -> None:

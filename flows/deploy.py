@@ -41,6 +41,8 @@ def _schedule(source: Path, where: str, raw: Any) -> dict[str, Any]:
     unknown = set(raw) - {"cron", "timezone", "active"}
     if unknown:
         raise _fail(source, where, f"unknown keys {sorted(unknown)}; use cron, timezone, active")
+    if not isinstance(raw.get("active", True), bool):
+        raise _fail(source, where, "active must be true or false")
     from prefect.client.schemas.schedules import CronSchedule
 
     try:  # the same check the server makes, so a typo fails here and not at 2 am
@@ -55,10 +57,17 @@ def read_deployments(root: Path) -> list[DeploymentSpec]:
     source = root / "prefect.yaml"
     if not source.is_file():
         raise ConfigError(f"{source} not found: deployments are defined there")
-    document = yaml.safe_load(source.read_text()) or {}
+    try:
+        document = yaml.safe_load(source.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source} is not valid YAML: {exc}") from exc
+    if not isinstance(document, dict) or not isinstance(document.get("deployments", []), list):
+        raise ConfigError(f"{source}: expected a mapping with a list under `deployments:`")
     specs = []
     for i, raw in enumerate(document.get("deployments") or []):
         where = f"deployments[{i}]"
+        if not isinstance(raw, dict):
+            raise _fail(source, where, "each deployment is a mapping with name, parameters, ...")
         name = raw.get("name")
         if not name:
             raise _fail(source, where, "a deployment needs a name")
@@ -87,11 +96,10 @@ def read_deployments(root: Path) -> list[DeploymentSpec]:
             _schedule(source, f"{where} schedule {j}", s)
             for j, s in enumerate(raw.get("schedules") or [])
         ]
-        specs.append(
-            DeploymentSpec(
-                name, parameters, schedules, raw.get("description", ""), raw.get("tags") or []
-            )
-        )
+        tags = raw.get("tags") or []
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise _fail(source, where, "tags must be a list of strings")
+        specs.append(DeploymentSpec(name, parameters, schedules, raw.get("description", ""), tags))
     if not specs:
         raise ConfigError(f"{source} defines no deployments")
     return specs

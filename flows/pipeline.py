@@ -11,8 +11,8 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.states import Completed
 
-from tasks.dvc_stages import push_data, reproduce_stage
-from tasks.quota import device_slots
+from tasks.dvc_stages import push_data, reproduce_stage, stale_stages
+from tasks.quota import check_quota, device_slots
 from tasks.registry import (
     RunSummary,
     find_up_to_date_run,
@@ -20,7 +20,7 @@ from tasks.registry import (
     publish_summary,
     register_model,
 )
-from training.config import Config, write_overrides
+from training.config import Config, load_config, write_overrides
 from training.paths import ProjectPaths, find_project_root
 
 
@@ -52,6 +52,8 @@ def pipeline(
     root = str(Path(root).resolve()) if root else str(find_project_root())
     step = "params"
     try:
+        # Refuse a job the device quota can never run before anything is written.
+        check_quota(load_config(ProjectPaths(Path(root)).params, list(overrides or [])))
         cfg = apply_params(root, list(overrides or []))
         if not force:
             step = "check-up-to-date"
@@ -65,7 +67,10 @@ def pipeline(
         step = "shard"
         _stage(cfg, "shard")(root, "shard", force)
         step = "train"
-        with device_slots(cfg):
+        if force or stale_stages(Path(root), "train"):
+            with device_slots(cfg):
+                _stage(cfg, "train")(root, "train", force)
+        else:  # up to date: DVC will skip it, so it needs no devices
             _stage(cfg, "train")(root, "train", force)
         step = "evaluate"
         _stage(cfg, "evaluate")(root, "evaluate", force)

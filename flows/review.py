@@ -73,6 +73,8 @@ def restore_data(root: Path, ref_text: str, dest: Path) -> Path:
         raise DataError(f"--restore-data {dest}: exists and is not empty; name a new folder")
     # A throwaway .dvc file naming that md5 lets DVC fetch and check it out like any output.
     pointer = target.with_name(target.name + ".dvc")
+    if pointer.exists():
+        raise DataError(f"--restore-data {dest}: {pointer.name} already exists; name a new folder")
     pointer.write_text(
         # `hash: md5` marks a DVC 3 entry; without it DVC looks in its 2.x cache layout.
         yaml.safe_dump(

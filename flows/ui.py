@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -62,5 +63,20 @@ def serve_uis(root: Path, mlflow_port: int, prefect_port: int) -> int:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+            _wait_for_group(proc.pid)
     failed = [p.args[0] for p in procs if p.returncode not in (0, -signal.SIGTERM, None)]
     return 1 if failed else 0
+
+
+def _wait_for_group(pgid: int, timeout: float = 10.0) -> None:
+    """Return once every process of the group is gone (server workers outlive their
+    parent by a moment, holding the port); kill what is left after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)

@@ -128,6 +128,7 @@ def push_data(root: str) -> str:
     return data_version(Path(root))
 
 
-def stale_stages(root: Path) -> dict:
-    """What `dvc status` says changed since the last run: {} when nothing did."""
-    return json.loads(dvc_output(root, "status", "--json") or "{}")
+def stale_stages(root: Path, *targets: str) -> dict:
+    """What `dvc status` says changed since the last run (of `targets`, default all
+    stages): {} when nothing did. A target's status includes the stages it depends on."""
+    return json.loads(dvc_output(root, "status", "--json", *targets) or "{}")

@@ -31,7 +31,8 @@ def devices_here() -> int:
     """What this machine can train on: its GPUs, or its CPU cores when it has none."""
     import torch
 
-    return torch.cuda.device_count() or os.cpu_count() or 1
+    # The cores this process may use (affinity, cpusets), not all the host has.
+    return torch.cuda.device_count() or len(os.sched_getaffinity(0)) or 1
 
 
 def ensure_limit(name: str, slots: int) -> int:
@@ -48,9 +49,8 @@ def ensure_limit(name: str, slots: int) -> int:
         return client.read_global_concurrency_limit_by_name(name).limit
 
 
-@contextlib.contextmanager
-def device_slots(cfg: Config) -> Iterator[int]:
-    """Hold one slot per training worker for the duration of the block."""
+def check_quota(cfg: Config) -> int:
+    """Fail at once when the job needs more slots than the limit will ever grant."""
     name, needed = cfg.orchestrate.device_limit, cfg.train.world_size
     size = ensure_limit(name, cfg.orchestrate.device_slots)
     if needed > size:
@@ -59,8 +59,19 @@ def device_slots(cfg: Config) -> Iterator[int]:
             f"concurrency limit {name!r} has {size}: lower train.world_size, or raise the "
             f"limit with `prefect global-concurrency-limit update {name} --limit {needed}`"
         )
+    return size
+
+
+@contextlib.contextmanager
+def device_slots(cfg: Config) -> Iterator[int]:
+    """Hold one slot per training worker for the duration of the block."""
+    name, needed = cfg.orchestrate.device_limit, cfg.train.world_size
+    size = check_quota(cfg)
     logger = get_run_logger()
     logger.info("waiting for %d of %d slots of device quota %r", needed, size, name)
-    with concurrency(name, occupy=needed, strict=True):
+    # A lease that cannot be renewed (the server restarted) must not kill a training
+    # job that already holds its devices: the job goes on and the slots are released
+    # when it ends.
+    with concurrency(name, occupy=needed, strict=True, raise_on_lease_renewal_failure=False):
         logger.info("holding %d slots of device quota %r", needed, name)
         yield needed

@@ -95,6 +95,7 @@ def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
     from prefect import get_run_logger
 
     from tasks.dvc_stages import stale_stages
+    from training.registry import is_gated
     from training.tracking import client, default_tracking_uri
 
     logger = get_run_logger()
@@ -112,9 +113,7 @@ def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
         finished = mlflow_client.get_run(run_id).info.status == "FINISHED"
     except MlflowException:
         finished = False
-    registered = mlflow_client.search_model_versions(
-        f"name='{cfg.registry.model_name}' and run_id='{run_id}'"
-    )
+    registered = is_gated(mlflow_client, cfg.registry.model_name, run_id)
     if not (finished and registered):
         logger.info("run %s is not finished and registered; completing it", run_id)
         return None
@@ -166,7 +165,10 @@ def _markdown(summary: RunSummary) -> str:
         if summary.champion_accuracy is None
         else f"{summary.champion_accuracy:.4f}"
     )
-    state = "skipped: " if summary.status == "skipped" else ""
+    skipped = summary.status == "skipped"
+    state = "skipped: " if skipped else ""
+    # A skipped run gated nothing: there is no "previous champion" to show.
+    gate_row = "" if skipped else f"| previous champion test_accuracy | {previous} |\n"
     return f"""# gradline run: {state}{summary.headline}
 
 | | |
@@ -175,8 +177,7 @@ def _markdown(summary: RunSummary) -> str:
 | MLflow run | [{summary.run_id}]({summary.run_url}) (experiment `{summary.experiment}`) |
 | model version | [{summary.model_name} v{summary.version}]({summary.version_url}) |
 | alias | **{summary.alias}** |
-| previous champion test_accuracy | {previous} |
-
+{gate_row}
 | metric | value |
 |---|---|
 {rows}

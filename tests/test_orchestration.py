@@ -171,12 +171,21 @@ def _filter(api: str, what: str, body: dict) -> list[dict]:
         return json.loads(response.read())
 
 
-def _task_runs(api: str, flow_run_id) -> dict[str, list[dict]]:
-    runs = _filter(api, "task_runs", {"flow_runs": {"id": {"any_": [str(flow_run_id)]}}})
-    by_name: dict[str, list[dict]] = {}
-    for run in runs:
-        by_name.setdefault(run["name"], []).append(run)
-    return by_name
+def _task_runs(api: str, flow_run_id, expect: tuple[str, ...]) -> dict[str, list[dict]]:
+    """The flow run's task runs by name, once those in `expect` exist and every one has
+    finished: the server records task-run states from events, shortly after the fact."""
+    deadline = time.monotonic() + 90
+    while True:
+        runs = _filter(api, "task_runs", {"flow_runs": {"id": {"any_": [str(flow_run_id)]}}})
+        by_name: dict[str, list[dict]] = {}
+        for run in runs:
+            by_name.setdefault(run["name"], []).append(run)
+        settled = all((r.get("state") or {}).get("type") in TERMINAL for r in runs)
+        if settled and set(expect) <= set(by_name):
+            return by_name
+        if time.monotonic() > deadline:
+            pytest.fail(f"task runs of {flow_run_id} never settled: {sorted(by_name)}")
+        time.sleep(1)
 
 
 def _summary_markdown(api: str, flow_run_id) -> str:
@@ -254,7 +263,7 @@ def test_served_deployment_retrains_only_when_something_changed(server, served) 
     second = _run_deployment(server, deployment.id)
     assert second.state.name == "Skipped"
     assert second.state.message == f"up to date with run {v1.run_id}"
-    assert "train" not in _task_runs(server, second.id)
+    assert "train" not in _task_runs(server, second.id, ("check-up-to-date", "publish-summary"))
     assert len(mlflow.search_model_versions(f"name='{MODEL}'")) == 1
 
     _write_digits_csv(root / "data" / "incoming" / "part-2.csv", slice(900, 1400))
@@ -302,7 +311,7 @@ def test_deployment_with_bad_overrides_fails_without_retry(server, served) -> No
     failed = _run_deployment(server, deployment.id, overrides=["train.lr=fast"])
     assert failed.state.type.value == "FAILED"
     assert "train.lr" in failed.state.message
-    tasks = _task_runs(server, failed.id)
+    tasks = _task_runs(server, failed.id, ("apply-params",))
     assert [t["run_count"] for t in tasks["apply-params"]] == [1]
     assert "ingest" not in tasks and "train" not in tasks
     assert "train.lr" in _summary_markdown(server, failed.id)
@@ -322,7 +331,7 @@ def test_bad_data_fails_at_once_with_the_cause(server, tmp_path) -> None:
         for line in (proc.stdout + proc.stderr).splitlines()
         if "flow-run/" in line
     )
-    ingest = _task_runs(server, flow_run_id)["ingest"]
+    ingest = _task_runs(server, flow_run_id, ("ingest",))["ingest"]
     assert [t["run_count"] for t in ingest] == [1]  # stage retries are for crashes only
     assert ingest[0]["state"]["type"] == "FAILED"
     assert "DataError" in _summary_markdown(server, flow_run_id)
@@ -361,7 +370,7 @@ def quota_projects(server, tmp_path_factory):
 def _train_task_run(api: str, root: Path):
     run_id = json.loads((root / "result.json").read_text())["run_id"]
     flow_run_id = _mlflow(root).get_run(run_id).data.tags["gradline.prefect_flow_run_id"]
-    (train,) = _task_runs(api, flow_run_id)["train"]
+    (train,) = _task_runs(api, flow_run_id, ("train", "publish-summary"))["train"]
     return train
 
 
@@ -374,9 +383,11 @@ def test_flows_sharing_one_device_train_one_after_the_other(server, quota_projec
 
     # A job that needs more devices than the quota has fails at once, saying so.
     root = quota_projects[0]
+    params = (root / "params.yaml").read_text()
     proc = _gradline(root, server, "run", "--set", "train.world_size=2")
     assert proc.returncode == 2
     assert "raise the limit" in proc.stderr and "gradline-test-devices" in proc.stderr
+    assert (root / "params.yaml").read_text() == params  # refused before anything was written
 
 
 def test_retried_training_continues_the_same_run(server, quota_projects) -> None:

@@ -74,3 +74,20 @@ def test_champion_is_re_evaluated_on_new_test_data(store) -> None:
 def test_registering_the_same_run_twice_adds_no_version(store) -> None:
     run = _trained(store, 0.9)
     assert _gate(store, run, 0.9).version == _gate(store, run, 0.9).version == 1
+
+
+def test_a_registration_cut_short_is_gated_on_the_next_run(store) -> None:
+    import mlflow
+    from training.registry import GATE_TAG, is_gated
+
+    _gate(store, _trained(store, 0.80), 0.80)
+    run = _trained(store, 0.90)
+    mlflow.set_registry_uri(store[0])
+    mlflow.register_model(run[1], NAME, tags={"gradline.run_id": run[0]})  # then a crash
+    registry = client(store[0])
+    assert not is_gated(registry, NAME, run[0])
+    result = _gate(store, run, 0.90)
+    assert (result.version, result.alias, result.champion_accuracy) == (2, "champion", 0.80)
+    assert registry.get_model_version(NAME, "2").tags[GATE_TAG] == "champion"
+    assert is_gated(registry, NAME, run[0])
+    assert len(registry.search_model_versions(f"name='{NAME}'")) == 2

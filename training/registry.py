@@ -15,6 +15,7 @@ from training.tracking import TAG_TEST_DIGEST, client
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
+GATE_TAG = "gradline.gate"  # the alias the gate gave this version; set last
 
 
 @dataclass(frozen=True)
@@ -59,15 +60,21 @@ def register_and_gate(
     mlflow.set_registry_uri(tracking_uri)
     mlflow_client = client(tracking_uri)
     # Registering is idempotent per run: a pipeline re-run that trained nothing new
-    # reports the version it already made instead of adding a duplicate.
+    # reports the version it already made instead of adding a duplicate. The gate's
+    # verdict is tagged last, so a registration cut short is gated on the next run.
     existing = mlflow_client.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
     if existing:
-        version = existing[0]
-        alias = ",".join(version.aliases) or "(no alias)"
-        return Registration(model_name, int(version.version), alias, test_accuracy, None)
+        version = mlflow_client.get_model_version(model_name, existing[0].version)
+        if GATE_TAG in version.tags:
+            alias = ",".join(version.aliases) or "(no alias)"
+            return Registration(model_name, int(version.version), alias, test_accuracy, None)
+        if CHAMPION in version.aliases:  # cut short after the alias moved: it won
+            mlflow_client.set_model_version_tag(model_name, version.version, GATE_TAG, CHAMPION)
+            return Registration(model_name, int(version.version), CHAMPION, test_accuracy, None)
     champion_accuracy = _champion_accuracy(mlflow_client, model_name, test_digest, reevaluate)
     tags = {"gradline.run_id": run_id, **(tags or {})}
-    version = mlflow.register_model(model_uri, model_name, tags=tags)
+    if not existing:
+        version = mlflow.register_model(model_uri, model_name, tags=tags)
     wins = champion_accuracy is None or test_accuracy > champion_accuracy
     alias = CHAMPION if wins else CHALLENGER
     mlflow_client.update_model_version(
@@ -76,7 +83,16 @@ def register_and_gate(
         description=_describe(tags, test_accuracy, champion_accuracy, alias),
     )
     mlflow_client.set_registered_model_alias(model_name, alias, version.version)
+    mlflow_client.set_model_version_tag(model_name, version.version, GATE_TAG, alias)
     return Registration(model_name, int(version.version), alias, test_accuracy, champion_accuracy)
+
+
+def is_gated(mlflow_client, model_name: str, run_id: str) -> bool:
+    """Whether the run's model version exists and the gate has decided its alias."""
+    found = mlflow_client.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
+    if not found:
+        return False
+    return GATE_TAG in mlflow_client.get_model_version(model_name, found[0].version).tags
 
 
 def _describe(

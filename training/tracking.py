@@ -12,6 +12,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from training.errors import TrackingError
+
 log = logging.getLogger(__name__)
 
 TAG_DATA_VERSION = "gradline.data_version"
@@ -56,6 +58,20 @@ def git_commit(root: Path) -> tuple[str, bool] | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return commit, bool(status.strip())
+
+
+@contextlib.contextmanager
+def store_errors(tracking_uri: str):
+    """Turn a failing tracking store (server down, wrong URI) into a message, not a trace."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except MlflowException as exc:
+        raise TrackingError(
+            f"the MLflow tracking store at {tracking_uri} failed: {exc.message}. "
+            "Check MLFLOW_TRACKING_URI and that the server is running."
+        ) from exc
 
 
 def client(tracking_uri: str):
