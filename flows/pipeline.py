@@ -26,8 +26,11 @@ from training.paths import ProjectPaths, find_project_root
 
 @task(name="apply-params", task_run_name="apply-params")
 def apply_params(root: str, overrides: list[str]) -> Config:
-    """Validate params.yaml + overrides and record the overrides in params.yaml."""
-    return write_overrides(ProjectPaths(Path(root)).params, overrides)
+    """Validate params.yaml + overrides and record the overrides in params.yaml. A job
+    the device quota can never run is refused here, before anything is written."""
+    params = ProjectPaths(Path(root)).params
+    check_quota(load_config(params, overrides))
+    return write_overrides(params, overrides)
 
 
 def _stage(cfg: Config, name: str):
@@ -52,8 +55,6 @@ def pipeline(
     root = str(Path(root).resolve()) if root else str(find_project_root())
     step = "params"
     try:
-        # Refuse a job the device quota can never run before anything is written.
-        check_quota(load_config(ProjectPaths(Path(root)).params, list(overrides or [])))
         cfg = apply_params(root, list(overrides or []))
         if not force:
             step = "check-up-to-date"
