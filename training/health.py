@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 
 SYNC = "sync"
+# This process's running heartbeats by file, so a failure record can flush its rank's
+# last state: a rank failing within its first second would otherwise leave "step 0".
+_live: dict[Path, Heartbeat] = {}
 
 
 class Heartbeat:
@@ -29,6 +32,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
         self._write()
         self._thread.start()
+        _live[self.path] = self
 
     def beat(self, step: int, phase: str) -> None:
         # Plain attribute stores: cheap enough for every step.
@@ -46,6 +50,7 @@ class Heartbeat:
             self._write()
 
     def close(self) -> None:
+        _live.pop(self.path, None)
         self._stop.set()
         self._write()
 
@@ -90,6 +95,8 @@ def describe(beats: list[dict], now: float | None = None) -> str:
 
 def record_failure(directory: Path, rank: int, exc: BaseException) -> None:
     directory.mkdir(parents=True, exist_ok=True)
+    if beat := _live.get(directory / f"rank{rank}.json"):
+        beat.close()  # its last step and phase, not the last once-a-second sample
     payload = {
         "rank": rank,
         "time": time.time(),
