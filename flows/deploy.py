@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from training.config import load_config
+from training.config import load_config, read_yaml_mapping
 from training.errors import ConfigError
 from training.paths import ProjectPaths
 
@@ -55,14 +53,10 @@ def _schedule(source: Path, where: str, raw: Any) -> dict[str, Any]:
 def read_deployments(root: Path) -> list[DeploymentSpec]:
     """prefect.yaml's deployments, every parameter validated against the config schema."""
     source = root / "prefect.yaml"
-    if not source.is_file():
-        raise ConfigError(f"{source} not found: deployments are defined there")
-    try:
-        document = yaml.safe_load(source.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source} is not valid YAML: {exc}") from exc
-    if not isinstance(document, dict) or not isinstance(document.get("deployments", []), list):
-        raise ConfigError(f"{source}: expected a mapping with a list under `deployments:`")
+    shape = "a mapping with a list under `deployments:`"
+    document = read_yaml_mapping(source, "deployments are defined there", shape)
+    if not isinstance(document.get("deployments", []), list):
+        raise ConfigError(f"{source} must be {shape}")
     specs = []
     for i, raw in enumerate(document.get("deployments") or []):
         where = f"deployments[{i}]"

@@ -6,6 +6,7 @@ params -> (nothing changed? skip) -> ingest -> push data -> shard -> [device quo
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from prefect import flow, task
@@ -33,14 +34,15 @@ def apply_params(root: str, overrides: list[str]) -> Config:
     return write_overrides(params, overrides)
 
 
-def _stage(cfg: Config, name: str):
-    """The stage's task, named after it, retried on crashes (never on bad input)."""
-    return reproduce_stage.with_options(
+def _run_stage(cfg: Config, root: str, name: str, force: bool) -> bool:
+    """The stage as a task named after it, retried on crashes (never on bad input)."""
+    stage = reproduce_stage.with_options(
         name=name,
         task_run_name=name,
         retries=cfg.orchestrate.stage_retries,
         retry_delay_seconds=cfg.orchestrate.retry_delay_s,
     )
+    return stage(root, name, force)
 
 
 @flow(name="gradline")
@@ -62,19 +64,18 @@ def pipeline(
                 publish_summary(latest)
                 return Completed(name="Skipped", message=latest.headline, data=latest)
         step = "ingest"
-        _stage(cfg, "ingest")(root, "ingest", force)
+        _run_stage(cfg, root, "ingest", force)
         step = "push-data"
         push_data(root)
         step = "shard"
-        _stage(cfg, "shard")(root, "shard", force)
+        _run_stage(cfg, root, "shard", force)
         step = "train"
-        if force or stale_stages(Path(root), "train"):
-            with device_slots(cfg):
-                _stage(cfg, "train")(root, "train", force)
-        else:  # up to date: DVC will skip it, so it needs no devices
-            _stage(cfg, "train")(root, "train", force)
+        # Devices are held only when training will run: DVC skips an up-to-date stage.
+        will_train = force or stale_stages(Path(root), "train")
+        with device_slots(cfg) if will_train else contextlib.nullcontext():
+            _run_stage(cfg, root, "train", force)
         step = "evaluate"
-        _stage(cfg, "evaluate")(root, "evaluate", force)
+        _run_stage(cfg, root, "evaluate", force)
         step = "register"
         summary = register_model(root, cfg)
     except Exception as exc:

@@ -12,6 +12,7 @@ import yaml
 from training.config import load_config
 from training.errors import DataError
 from training.lineage import (
+    aliases_by_version,
     model_version_url,
     parse_model_ref,
     read_lineage,
@@ -107,13 +108,13 @@ def runs_text(root: Path, limit: int) -> str:
     runs = mlflow_client.search_runs(
         [experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit
     )
+    name = cfg.registry.model_name
     versions = {}
-    for found in mlflow_client.search_model_versions(f"name='{cfg.registry.model_name}'"):
-        # search results leave aliases out; the version itself has them
-        version = mlflow_client.get_model_version(found.name, found.version)
-        versions[version.run_id] = f"v{version.version}" + "".join(
-            f" @{a}" for a in version.aliases
-        )
+    if found := mlflow_client.search_model_versions(f"name='{name}'"):
+        aliases = aliases_by_version(mlflow_client, name)
+        for v in found:
+            tags = "".join(f" @{a}" for a in aliases.get(str(v.version), []))
+            versions[v.run_id] = f"v{v.version}{tags}"
     header = ("started (UTC)", "run", "status", "data", *KEY_METRICS, "model version")
     rows = [header]
     for run in runs:

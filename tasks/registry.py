@@ -59,14 +59,14 @@ class RunSummary:
 def _summarize(cfg: Config, root: Path, run_id: str, status: str, champion=None) -> RunSummary:
     """Build the summary from what MLflow recorded for `run_id`."""
     from training.lineage import model_version_url, run_url, ui_base
+    from training.registry import version_of_run
     from training.tracking import TAG_DATA_VERSION, client, default_tracking_uri
 
     tracking_uri = default_tracking_uri(root)
     mlflow_client = client(tracking_uri)
     run = mlflow_client.get_run(run_id)
     name = cfg.registry.model_name
-    (found,) = mlflow_client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
-    version = mlflow_client.get_model_version(name, found.version)  # search omits aliases
+    version = version_of_run(mlflow_client, name, run_id)
     base = ui_base(tracking_uri, cfg.orchestrate.mlflow_ui_url)
     return RunSummary(
         status=status,
@@ -96,6 +96,7 @@ def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
 
     from tasks.dvc_stages import stale_stages
     from training.registry import is_gated
+    from training.stages import read_train_result
     from training.tracking import client, default_tracking_uri
 
     logger = get_run_logger()
@@ -107,7 +108,7 @@ def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
     if changed:
         logger.info("changed since the last run: %s", ", ".join(sorted(changed)))
         return None
-    run_id = json.loads(paths.train_result.read_text())["run_id"]
+    run_id = read_train_result(paths.train_result)["run_id"]
     mlflow_client = client(default_tracking_uri(paths.root))
     try:
         finished = mlflow_client.get_run(run_id).info.status == "FINISHED"

@@ -245,16 +245,25 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
     return ConfigError(f"invalid configuration in {source}:\n" + "\n".join(lines))
 
 
-def read_params(params_path: Path) -> dict[str, Any]:
-    if not params_path.is_file():
-        raise ConfigError(f"{params_path} not found: every gradline project has a params.yaml")
+def read_yaml_mapping(path: Path, missing: str, shape: str) -> dict[str, Any]:
+    """A YAML file that must hold a mapping; `missing` and `shape` finish the messages."""
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: {missing}")
     try:
-        raw = yaml.safe_load(params_path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{params_path} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
-        raise ConfigError(f"{params_path} must be a mapping of sections (data, shard, train...)")
+        raise ConfigError(f"{path} must be {shape}")
     return raw
+
+
+def read_params(params_path: Path) -> dict[str, Any]:
+    return read_yaml_mapping(
+        params_path,
+        "every gradline project has a params.yaml",
+        "a mapping of sections (data, shard, train...)",
+    )
 
 
 def load_config(params_path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -90,6 +90,14 @@ class Lineage:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def aliases_by_version(mlflow_client, name: str) -> dict[str, list[str]]:
+    """version -> its aliases, from one call (version searches leave aliases out)."""
+    aliases: dict[str, list[str]] = {}
+    for alias, version in mlflow_client.get_registered_model(name).aliases.items():
+        aliases.setdefault(str(version), []).append(alias)
+    return aliases
+
+
 def resolve_version(mlflow_client, ref: ModelRef):
     from mlflow.exceptions import MlflowException
 
@@ -104,9 +112,7 @@ def resolve_version(mlflow_client, ref: ModelRef):
                 f"no registered model {ref.name!r} in this tracking store; `gradline runs` "
                 "lists the runs, and `gradline run` registers a model"
             ) from exc
-        aliases: dict[str, list[str]] = {}
-        for alias, version in mlflow_client.get_registered_model(ref.name).aliases.items():
-            aliases.setdefault(str(version), []).append(alias)
+        aliases = aliases_by_version(mlflow_client, ref.name)
         choices = ", ".join(
             f"{ref.name}/{v}" + "".join(f" ({ref.name}@{a})" for a in aliases.get(str(v), []))
             for v in sorted((v.version for v in known), key=int)

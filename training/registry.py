@@ -62,9 +62,8 @@ def register_and_gate(
     # Registering is idempotent per run: a pipeline re-run that trained nothing new
     # reports the version it already made instead of adding a duplicate. The gate's
     # verdict is tagged last, so a registration cut short is gated on the next run.
-    existing = mlflow_client.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
-    if existing:
-        version = mlflow_client.get_model_version(model_name, existing[0].version)
+    version = version_of_run(mlflow_client, model_name, run_id)
+    if version is not None:
         if GATE_TAG in version.tags:
             alias = ",".join(version.aliases) or "(no alias)"
             return Registration(model_name, int(version.version), alias, test_accuracy, None)
@@ -73,7 +72,7 @@ def register_and_gate(
             return Registration(model_name, int(version.version), CHAMPION, test_accuracy, None)
     champion_accuracy = _champion_accuracy(mlflow_client, model_name, test_digest, reevaluate)
     tags = {"gradline.run_id": run_id, **(tags or {})}
-    if not existing:
+    if version is None:
         version = mlflow.register_model(model_uri, model_name, tags=tags)
     wins = champion_accuracy is None or test_accuracy > champion_accuracy
     alias = CHAMPION if wins else CHALLENGER
@@ -87,12 +86,17 @@ def register_and_gate(
     return Registration(model_name, int(version.version), alias, test_accuracy, champion_accuracy)
 
 
+def version_of_run(mlflow_client, model_name: str, run_id: str):
+    """The model version registered from `run_id`, with its aliases and tags, or None.
+    (Search results leave aliases and tags out; the version itself has them.)"""
+    found = mlflow_client.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
+    return mlflow_client.get_model_version(model_name, found[0].version) if found else None
+
+
 def is_gated(mlflow_client, model_name: str, run_id: str) -> bool:
     """Whether the run's model version exists and the gate has decided its alias."""
-    found = mlflow_client.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
-    if not found:
-        return False
-    return GATE_TAG in mlflow_client.get_model_version(model_name, found[0].version).tags
+    version = version_of_run(mlflow_client, model_name, run_id)
+    return version is not None and GATE_TAG in version.tags
 
 
 def _describe(
