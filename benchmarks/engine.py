@@ -11,8 +11,10 @@
                       shows what the host itself allows;
 - recovery_s:         from a worker's SIGKILL to the first step after the resume.
 
-Each throughput is the best of `--repeats` runs. The last line is key=value pairs.
-Usage: python -m benchmarks.engine [--steps 60] [--per-rank-batch 1024] [--repeats 2]
+Runs are interleaved (gradline, hand-written, tracked, ... then again), so drift on a
+noisy host hits every side alike; each figure is the median of `--repeats` repetitions.
+The last line is key=value pairs.
+Usage: python -m benchmarks.engine [--steps 60] [--per-rank-batch 1024] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -27,9 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import fmt, make_synthetic_shards
-from training.config import Config, TrainConfig
-from training.launch import launch_workers
-from training.loop import HEARTBEATS, TrainJob
+from training.config import Config
+from training.engine.launch import launch_workers
+from training.engine.loop import TrainJob
+from training.project import JobDir
 from training.tracking import client, ensure_experiment
 
 
@@ -37,30 +41,35 @@ def minimal_ddp_worker(shard_dir: str, cfg: dict, steps: int) -> dict | None:
     """What a user would write by hand: DDP over the same model, data held in memory."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from training.data.loader import open_reader
     from training.data.shards import read_manifest
-    from training.models import ModelSpec, build_model
+    from training.data.spec import DataSpec
+    from training.models import build_model
+    from training.objectives import objective_for
 
-    tc = TrainConfig(**cfg)
-    torch.set_num_threads(tc.threads_per_worker)
+    config = Config.model_validate(cfg)
+    torch.set_num_threads(config.runtime.threads_per_worker)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     manifest = read_manifest(Path(shard_dir))
+    data = DataSpec.from_manifest(manifest)
     reader = open_reader(Path(shard_dir), manifest, "train")
     features, labels = reader.gather(np.arange(reader.num_rows))
     x_all, y_all = torch.from_numpy(features), torch.from_numpy(labels)
-    torch.manual_seed(tc.seed)
-    spec = ModelSpec(features.shape[1], manifest["num_classes"], tc.hidden)
-    model = torch.nn.parallel.DistributedDataParallel(build_model(spec))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr)
-    per_rank = tc.batch_size // world
+    torch.manual_seed(config.train.seed)
+    model = torch.nn.parallel.DistributedDataParallel(
+        build_model(config.model, "classification", data)
+    )
+    loss_fn = objective_for("classification", data).loss
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr)
+    batch = config.train.batch_size
+    per_rank = batch // world
     order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(0))
     started = time.perf_counter()
     for k in range(steps):
-        idx = order[k * tc.batch_size + rank * per_rank :][:per_rank]
-        loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
+        idx = order[k * batch + rank * per_rank :][:per_rank]
+        loss = loss_fn(model(x_all[idx]), y_all[idx])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -69,28 +78,34 @@ def minimal_ddp_worker(shard_dir: str, cfg: dict, steps: int) -> dict | None:
     return {"loop_seconds": elapsed, "loop_steps": steps} if rank == 0 else None
 
 
-def _launch_minimal(shards: Path, tc: TrainConfig, steps: int) -> dict:
+def _launch_minimal(shards: Path, cfg: Config, steps: int) -> dict:
     import uuid
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from training.launch import free_port
+    from training.engine.launch import free_port
 
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=tc.world_size,
+        nproc_per_node=cfg.runtime.world_size,
         run_id=f"minimal-{uuid.uuid4().hex[:6]}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         start_method="spawn",
     )
-    return elastic_launch(config, minimal_ddp_worker)(str(shards), tc.model_dump(), steps)[0]
+    return elastic_launch(config, minimal_ddp_worker)(str(shards), cfg.model_dump(), steps)[0]
 
 
 def _steps_per_s(result: dict) -> float:
     return result["loop_steps"] / result["loop_seconds"]
+
+
+def config(base: dict, **changes: dict) -> Config:
+    """The benchmark's Config: `base` and `changes` map sections to their keys."""
+    sections = {name: {**values, **changes.get(name, {})} for name, values in base.items()}
+    return Config.model_validate(sections)
 
 
 class Bench:
@@ -98,10 +113,10 @@ class Bench:
         self.folder, self.shards, self.base = folder, shards, base
         self.runs = 0
 
-    def gradline(self, tracking: bool = False, **train) -> tuple[dict, Path]:
+    def gradline(self, tracking: bool = False, **changes: dict) -> tuple[dict, Path]:
         self.runs += 1
         work = self.folder / f"run{self.runs}"
-        cfg = Config(train=TrainConfig(**{**self.base, **train}))
+        cfg = config(self.base, **changes)
         uri = run_id = None
         if tracking:
             uri = f"sqlite:///{self.folder / 'mlflow.db'}"
@@ -110,7 +125,7 @@ class Bench:
         job = TrainJob(
             cfg.model_dump(), str(self.shards), str(work / "ckpt"), str(work / "model"), uri, run_id
         )
-        result = launch_workers(job, cfg.train.world_size, cfg.train.max_restarts)
+        result = launch_workers(job, cfg.runtime.world_size, cfg.runtime.max_restarts)
         return result, work
 
 
@@ -120,7 +135,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--per-rank-batch", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
@@ -129,59 +144,69 @@ def main() -> None:
         rows = int(args.steps * args.per_rank_batch * 2 / 0.7) + 1000
         _, shards = make_synthetic_shards(folder, rows, args.features * 4)
         base = {
-            "world_size": 2,
-            "epochs": 1,
-            "batch_size": 2 * args.per_rank_batch,
-            "hidden": args.hidden,
-            "warmup_steps": 0,
-            "lr_schedule": "constant",
-            "checkpoint_every_steps": 10**6,
-            "log_every_steps": 20,
-            "control_every_steps": 10,
-            "max_restarts": 0,
+            "data": {"source": "synthetic"},
+            "model": {"name": "mlp", "hidden": args.hidden, "depth": 2},
+            # The hand-written loop neither clips nor schedules: the same math on both sides.
+            "optim": {"warmup_steps": 0, "lr_schedule": "constant", "grad_clip": 0.0},
+            "train": {"epochs": 1, "max_steps": args.steps, "batch_size": 2 * args.per_rank_batch},
+            "runtime": {
+                "world_size": 2,
+                "checkpoint_every_steps": 10**6,
+                "log_every_steps": 20,
+                "control_every_steps": 10,
+                "max_restarts": 0,
+            },
         }
         bench = Bench(folder, shards, base)
-        best = lambda runs: max(_steps_per_s(r) for r in runs)  # noqa: E731
-
-        minimal, plain, tracked = [], [], []
-        for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
-            minimal.append(_launch_minimal(shards, TrainConfig(**base), args.steps))
+        one = {
+            "runtime": {"world_size": 1},
+            "train": {"batch_size": args.per_rank_batch},
+        }
+        minimal, plain, tracked, one_rank, minimal_one = [], [], [], [], []
+        for _ in range(args.repeats):  # interleaved, so drift hits every side alike
+            minimal.append(_launch_minimal(shards, config(base), args.steps))
             plain.append(bench.gradline()[0])
             tracked.append(bench.gradline(tracking=True)[0])
-        ckpt = {"checkpoint_every_steps": 10}
-        async_ = bench.gradline(async_checkpoint=True, **ckpt)[0]
-        sync = bench.gradline(async_checkpoint=False, **ckpt)[0]
-        one_rank, minimal_one = [], []
-        for _ in range(args.repeats):
-            one_rank.append(bench.gradline(world_size=1, batch_size=args.per_rank_batch)[0])
-            single = TrainConfig(**{**base, "world_size": 1, "batch_size": args.per_rank_batch})
-            minimal_one.append(_launch_minimal(shards, single, args.steps))
+            one_rank.append(bench.gradline(**one)[0])
+            minimal_one.append(_launch_minimal(shards, config(base, **one), args.steps))
+        every_10 = {"checkpoint_every_steps": 10}
+        async_ = bench.gradline(runtime={**every_10, "async_checkpoint": True})[0]
+        sync = bench.gradline(runtime={**every_10, "async_checkpoint": False})[0]
         os.environ["GRADLINE_FAULT"] = f"kill:rank=1:step={args.steps // 2}:attempt=0"
         try:
-            _, work = bench.gradline(max_restarts=1, checkpoint_every_steps=args.steps // 4)
+            runtime = {"max_restarts": 1, "checkpoint_every_steps": args.steps // 4}
+            _, work = bench.gradline(runtime=runtime)
         finally:
             del os.environ["GRADLINE_FAULT"]
-        health = work / "ckpt" / HEARTBEATS
+        health = JobDir(work / "ckpt").health
         killed = json.loads((health / "killed.json").read_text())["time"]
         resumed = json.loads((health / "resumed.json").read_text())["time"]
 
-    two_rank_sps = best(plain) * 2 * args.per_rank_batch
-    one_rank_sps = best(one_rank) * args.per_rank_batch
+    median = lambda runs: statistics.median(_steps_per_s(r) for r in runs)  # noqa: E731
+
+    def paired(numerators: list[dict], denominators: list[dict]) -> float:
+        """Median over repetitions of the ratio within each repetition (run side by side)."""
+        pairs = zip(numerators, denominators, strict=True)
+        return statistics.median(_steps_per_s(a) / _steps_per_s(b) for a, b in pairs)
+
+    two_rank_sps = median(plain) * 2 * args.per_rank_batch
+    one_rank_sps = median(one_rank) * args.per_rank_batch
     results = {
         "steps": args.steps,
+        "repeats": args.repeats,
         "hidden": args.hidden,
         "per_rank_batch": args.per_rank_batch,
-        "gradline_steps_per_s": best(plain),
-        "minimal_steps_per_s": best(minimal),
-        "overhead_ratio": best(plain) / best(minimal),
-        "tracking_ratio": best(tracked) / best(plain),
+        "gradline_steps_per_s": median(plain),
+        "minimal_steps_per_s": median(minimal),
+        "overhead_ratio": paired(plain, minimal),
+        "tracking_ratio": paired(tracked, plain),
         "ckpt_stall_async_s": async_["checkpoint_stall_seconds"],
         "ckpt_stall_sync_s": sync["checkpoint_stall_seconds"],
         "ckpt_stall_ratio": async_["checkpoint_stall_seconds"] / sync["checkpoint_stall_seconds"],
         "sync_wait_fraction_2_ranks": plain[-1]["time_fraction_sync_wait"],
         "scaling_efficiency": two_rank_sps / (2 * one_rank_sps),
         # The same weak-scaling measure for the hand-written loop: what this host allows.
-        "minimal_scaling_efficiency": best(minimal) / best(minimal_one),
+        "minimal_scaling_efficiency": paired(minimal, minimal_one),
         "recovery_s": resumed - killed,
     }
     print(" ".join(f"{k}={fmt(v) if isinstance(v, float) else v}" for k, v in results.items()))

@@ -20,11 +20,11 @@ from training.errors import ERROR_FILE_ENV, GradlineError
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from training.config import load_config
-    from training.paths import ProjectPaths, find_project_root
+    from training.project import Project, find_project_root
 
     root = find_project_root()
     # Validate before Prefect starts or anything is written: fail in a second, not ten.
-    load_config(ProjectPaths(root).params, args.set)
+    load_config(Project(root).params, args.set)
     from flows.pipeline import pipeline
 
     summary = pipeline(overrides=args.set, force=args.force, root=str(root))
@@ -32,9 +32,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_example(args: argparse.Namespace) -> int:
+    from training.examples import apply_example, describe
+    from training.project import Project, find_project_root
+
+    if args.list or not args.name:
+        print(describe())
+        return 0
+    project = Project(find_project_root())
+    cfg = apply_example(project.params, args.name)
+    print(
+        f"params.yaml now holds example {args.name}: {cfg.task.type} of {cfg.data.source} "
+        f"data with model {cfg.model.name or cfg.model.target}. Run it with `gradline run`."
+    )
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from flows.deploy import serve_deployments
-    from training.paths import find_project_root
+    from training.project import find_project_root
 
     serve_deployments(find_project_root(), args.deployment)
     return 0
@@ -42,7 +58,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
     from flows.review import lineage_text, restore_data
-    from training.paths import find_project_root
+    from training.project import find_project_root
     from training.tracking import default_tracking_uri, store_errors
 
     root = find_project_root()
@@ -57,7 +73,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
 
 def _cmd_runs(args: argparse.Namespace) -> int:
     from flows.review import runs_text
-    from training.paths import find_project_root
+    from training.project import find_project_root
     from training.tracking import default_tracking_uri, store_errors
 
     root = find_project_root()
@@ -68,7 +84,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 def _cmd_stage(args: argparse.Namespace) -> int:
     from training import stages
-    from training.paths import find_project_root
+    from training.project import find_project_root
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     root = find_project_root()
@@ -94,7 +110,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
 
 def _cmd_ui(args: argparse.Namespace) -> int:
     from flows.ui import serve_uis
-    from training.paths import find_project_root
+    from training.project import find_project_root
 
     return serve_uis(find_project_root(), args.mlflow_port, args.prefect_port)
 
@@ -126,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every stage even when data, params and code are unchanged",
     )
     run.set_defaults(func=_cmd_run)
+
+    example = sub.add_parser(
+        "example", help="write a ready-made workload into params.yaml (--list names them)"
+    )
+    example.add_argument("name", nargs="?", help="the example's name")
+    example.add_argument("--list", action="store_true", help="list the examples")
+    example.set_defaults(func=_cmd_example)
 
     serve = sub.add_parser(
         "serve",

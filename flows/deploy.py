@@ -14,7 +14,7 @@ from typing import Any
 
 from training.config import load_config, read_yaml_mapping
 from training.errors import ConfigError
-from training.paths import ProjectPaths
+from training.project import Project
 
 ENTRYPOINT = "flows/pipeline.py:pipeline"
 FLOW_PARAMETERS = {"overrides", "force"}
@@ -81,7 +81,7 @@ def read_deployments(root: Path) -> list[DeploymentSpec]:
         if not isinstance(overrides, list):
             raise _fail(source, where, 'overrides must be a list, e.g. ["train.epochs=20"]')
         try:
-            load_config(ProjectPaths(root).params, [str(o) for o in overrides])
+            load_config(Project(root).params, [str(o) for o in overrides])
         except ConfigError as exc:
             raise _fail(source, where, str(exc)) from exc
         if not isinstance(parameters.get("force", False), bool):

@@ -22,14 +22,14 @@ from tasks.registry import (
     register_model,
 )
 from training.config import Config, load_config, write_overrides
-from training.paths import ProjectPaths, find_project_root
+from training.project import Project, find_project_root
 
 
 @task(name="apply-params", task_run_name="apply-params")
 def apply_params(root: str, overrides: list[str]) -> Config:
     """Validate params.yaml + overrides and record the overrides in params.yaml. A job
     the device quota can never run is refused here, before anything is written."""
-    params = ProjectPaths(Path(root)).params
+    params = Project(Path(root)).params
     check_quota(load_config(params, overrides))
     return write_overrides(params, overrides)
 

@@ -19,7 +19,7 @@ from training.lineage import (
     run_url,
     ui_base,
 )
-from training.paths import ProjectPaths
+from training.project import Project
 from training.tracking import TAG_DATA_VERSION, client, default_tracking_uri
 
 KEY_METRICS = ("test_accuracy", "test_macro_f1", "test_loss", "val_accuracy")
@@ -35,7 +35,7 @@ def _prefect_flow_run_url(flow_run_id: str) -> str:
 
 
 def lineage_text(root: Path, ref_text: str) -> str:
-    cfg = load_config(ProjectPaths(root).params)
+    cfg = load_config(Project(root).params)
     tracking_uri = default_tracking_uri(root)
     lineage = read_lineage(tracking_uri, parse_model_ref(ref_text))
     base = ui_base(tracking_uri, cfg.orchestrate.mlflow_ui_url)
@@ -100,7 +100,7 @@ def restore_data(root: Path, ref_text: str, dest: Path) -> Path:
 
 
 def runs_text(root: Path, limit: int) -> str:
-    cfg = load_config(ProjectPaths(root).params)
+    cfg = load_config(Project(root).params)
     mlflow_client = client(default_tracking_uri(root))
     experiment = mlflow_client.get_experiment_by_name(cfg.registry.experiment)
     if experiment is None:

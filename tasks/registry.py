@@ -10,7 +10,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
 from training.config import Config
-from training.paths import ProjectPaths
+from training.project import Project
 
 SUMMARY_KEY = "gradline-run-summary"
 
@@ -28,7 +28,7 @@ class RunSummary:
     version_url: str
     alias: str
     metrics: dict[str, float] = field(default_factory=dict)
-    champion_accuracy: float | None = None
+    verdict: str = ""
 
     @property
     def headline(self) -> str:
@@ -37,7 +37,16 @@ class RunSummary:
         return f"trained run {self.run_id}"
 
     def describe(self) -> str:
-        metrics = "  ".join(f"{k}={v:.4f}" for k, v in sorted(self.metrics.items()))
+        metrics = "  ".join(
+            f"{k}={v:.4f}"
+            + (
+                f" (baseline {b:.4f})"
+                if (b := self.metrics.get(f"baseline_{k}")) is not None
+                else ""
+            )
+            for k, v in sorted(self.metrics.items())
+            if not k.startswith("baseline_")
+        )
         first = (
             f"gradline: nothing changed, {self.headline} (pass --force to retrain)"
             if self.status == "skipped"
@@ -51,12 +60,13 @@ class RunSummary:
             f"  model version  {self.model_name} v{self.version} -> alias {self.alias!r}\n"
             f"                 {self.version_url}\n"
             f"  metrics        {metrics}\n"
+            f"  gate           {self.verdict.split('. ')[0]}\n"
             f"  tracking store {self.tracking_uri}\n"
             f"  see them with  gradline ui  (MLflow UI and Prefect UI on 127.0.0.1)"
         )
 
 
-def _summarize(cfg: Config, root: Path, run_id: str, status: str, champion=None) -> RunSummary:
+def _summarize(cfg: Config, root: Path, run_id: str, status: str, verdict: str = "") -> RunSummary:
     """Build the summary from what MLflow recorded for `run_id`."""
     from training.lineage import model_version_url, run_url, ui_base
     from training.registry import version_of_run
@@ -79,8 +89,10 @@ def _summarize(cfg: Config, root: Path, run_id: str, status: str, champion=None)
         version=int(version.version),
         version_url=model_version_url(base, name, int(version.version)),
         alias=",".join(version.aliases) or "(none)",
-        metrics={k: v for k, v in run.data.metrics.items() if k.startswith("test_")},
-        champion_accuracy=champion,
+        metrics={
+            k: v for k, v in run.data.metrics.items() if k.startswith(("test_", "baseline_test_"))
+        },
+        verdict=verdict or version.description or "",
     )
 
 
@@ -100,7 +112,7 @@ def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
     from training.tracking import client, default_tracking_uri
 
     logger = get_run_logger()
-    paths = ProjectPaths(Path(root))
+    paths = Project(Path(root))
     if not paths.train_result.is_file():
         logger.info("no previous run in this project")
         return None
@@ -123,53 +135,40 @@ def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
 
 @task(name="register-model", task_run_name="register-model")
 def register_model(root: str, cfg: Config) -> RunSummary:
+    """Register the trained model and gate it on the task's metric against its baseline
+    and the champion, both on the current test split."""
     from training.data.shards import read_manifest, split_digest
-    from training.evaluate import predict_split
     from training.lineage import version_tags
     from training.registry import register_and_gate
-    from training.stages import read_train_result
-    from training.tracking import client, default_tracking_uri
+    from training.stages import gate_score, read_train_result, rescore_champion
+    from training.tracking import client
 
-    paths = ProjectPaths(Path(root))
-    trained = read_train_result(paths.train_result)
-    metrics = json.loads(paths.metrics.read_text())
-    manifest = read_manifest(paths.shards)
-    tracking_uri = default_tracking_uri(paths.root)
-
-    def reevaluate(model_uri: str) -> float:
-        import mlflow.pytorch
-
-        champion = mlflow.pytorch.load_model(model_uri)
-        pred = predict_split(champion, paths.shards, manifest, "test", cfg.evaluate.batch_size)
-        return float((pred.y_true == pred.y_pred).mean())
-
+    project = Project(Path(root))
+    trained = read_train_result(project.train_result)
+    metrics = json.loads(project.metrics.read_text())
+    manifest = read_manifest(project.shards)
+    tracking_uri = project.tracking_uri
     run_tags = client(tracking_uri).get_run(trained["run_id"]).data.tags
+    score = gate_score(cfg, manifest, metrics)
     registration = register_and_gate(
         tracking_uri,
         cfg.registry.model_name,
         trained["model_uri"],
         trained["run_id"],
-        metrics["test_accuracy"],
+        score,
         split_digest(manifest, "test"),
-        reevaluate,
+        lambda model_uri: rescore_champion(cfg, project.shards, model_uri, score.metric),
         tags=version_tags(run_tags),
     )
-    return _summarize(
-        cfg, paths.root, trained["run_id"], "completed", registration.champion_accuracy
-    )
+    return _summarize(cfg, project.root, trained["run_id"], "completed", registration.verdict)
 
 
 def _markdown(summary: RunSummary) -> str:
     rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in sorted(summary.metrics.items()))
-    previous = (
-        "none (first champion)"
-        if summary.champion_accuracy is None
-        else f"{summary.champion_accuracy:.4f}"
-    )
     skipped = summary.status == "skipped"
     state = "skipped: " if skipped else ""
-    # A skipped run gated nothing: there is no "previous champion" to show.
-    gate_row = "" if skipped else f"| previous champion test_accuracy | {previous} |\n"
+    # A skipped run gated nothing now: the verdict shown is the one it got then.
+    gate_row = f"| gate verdict | {summary.verdict.split('. ')[0]} |\n"
     return f"""# gradline run: {state}{summary.headline}
 
 | | |

@@ -32,6 +32,17 @@ def tiny_shards(tmp_path_factory) -> Path:
     return base / "shards"
 
 
+@pytest.fixture(scope="session")
+def tiny_token_shards(tmp_path_factory) -> Path:
+    """~120 KB of the standard library's source as bytes tokens, in several shards."""
+    base = tmp_path_factory.mktemp("tiny-text")
+    data = DataConfig(source="stdlib", max_bytes=120_000, split_by="document")
+    raw, quarantine, report = base / "raw", base / "quarantine", base / "report.json"
+    ingest(data, base, raw, quarantine, report, task="language_modeling")
+    write_shards(ShardConfig(target_shard_mb=0.05), base / "raw", base / "shards", "test-md5")
+    return base / "shards"
+
+
 def copy_project(root: Path) -> Path:
     """A fresh copy of the project's files (as a clone would have them) in its own git repo."""
     listed = subprocess.run(

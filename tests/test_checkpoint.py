@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from training.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from training.engine.checkpoint import list_checkpoints, load_latest, save_checkpoint
 
 
 def _state(value: float) -> dict:
@@ -37,7 +37,7 @@ def test_no_checkpoint_means_fresh_start(tmp_path) -> None:
 
 
 def test_async_checkpointer_writes_a_snapshot_not_the_live_state(tmp_path) -> None:
-    from training.checkpoint import Checkpointer
+    from training.engine.checkpoint import Checkpointer
 
     saved = []
     writer = Checkpointer(tmp_path, keep=2, asynchronous=True, on_saved=lambda *a: saved.append(a))

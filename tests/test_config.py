@@ -27,7 +27,7 @@ def test_shipped_params_match_schema_defaults(params: Path) -> None:
 
 def test_unknown_key_in_file_is_named(params: Path) -> None:
     params.write_text(params.read_text().replace("  lr: 0.003", "  lr: 0.003\n  lrr: 1"))
-    with pytest.raises(ConfigError, match=r"train\.lrr: unknown key; allowed: .*lr"):
+    with pytest.raises(ConfigError, match=r"optim\.lrr: unknown key; allowed: .*lr"):
         load_config(params)
 
 
@@ -48,11 +48,17 @@ def test_unknown_section_is_named(params: Path) -> None:
     [
         ("train.lr", "not of the form section.key=value"),
         ("trian.lr=1", "unknown section 'trian'"),
-        ("train.rate=1", r"unknown key train\.rate; keys in train are world_size"),
-        ("train.lr=-1", r"train\.lr: Input should be greater than 0"),
-        ("train.world_size=3", r"multiple of train\.world_size x train\.grad_accum_steps"),
+        ("train.rate=1", r"unknown key train\.rate; keys in train are epochs"),
+        ("train.world_size=1", r"train\.world_size; it moved to runtime\.world_size"),
+        ("optim.lr=-1", r"optim\.lr: Input should be greater than 0"),
+        ("runtime.world_size=3", r"multiple of runtime\.world_size x train\.grad_accum_steps"),
         ("shard.test_fraction=0.9", "must be below 1"),
-        ("train.backend=mpi", r"train\.backend: Input should be 'auto', 'gloo' or 'nccl'"),
+        ("runtime.backend=mpi", r"runtime\.backend: Input should be 'auto', 'gloo' or 'nccl'"),
+        ("model.name=resnet", r"model\.name 'resnet' is not a built-in model; choose one of mlp"),
+        ("model.layers=2", r"model\.layers is not a key of model mlp \(its keys: hidden"),
+        ("model.name=gpt", r"model\.hidden is not a key of model gpt \(its keys: layers"),
+        ("task.type=regression", r"data\.source digits is a classification data set"),
+        ("task.type=language_modeling", r"text sources \(text, stdlib\) train language"),
     ],
 )
 def test_bad_override_is_rejected(params: Path, override: str, message: str) -> None:
@@ -63,7 +69,8 @@ def test_bad_override_is_rejected(params: Path, override: str, message: str) -> 
 
 
 def test_override_values_parse_as_yaml() -> None:
-    assert parse_override("train.lr=0.01") == ("train", "lr", 0.01)
+    assert parse_override("optim.lr=0.01") == ("optim", "lr", 0.01)
+    assert parse_override("model.layers=6") == ("model", "layers", 6)  # the model's own key
     assert parse_override("data.max_rows=null") == ("data", "max_rows", None)
     assert parse_override("registry.model_name=my-model") == ("registry", "model_name", "my-model")
 
@@ -75,6 +82,44 @@ def test_overrides_are_recorded_keeping_comments(params: Path) -> None:
     assert "  seed: 7" in text and "max_rows: 100" in text
     assert "# global batch per optimizer step, split evenly across ranks" in text
     assert load_config(params) == cfg  # the file alone now reproduces the run
-    write_overrides(params, ["data.max_rows=null", "train.lr=1e-2"])
+    write_overrides(params, ["data.max_rows=null", "optim.lr=1e-2"])
     assert "max_rows: null" in params.read_text()
     assert "  lr: 0.01" in params.read_text()
+
+
+def test_examples_rewrite_the_computing_sections_and_validate(params: Path) -> None:
+    from training.examples import EXAMPLES, apply_example
+
+    runtime_before = load_config(params).runtime
+    for name in EXAMPLES:
+        cfg = apply_example(params, name)
+        assert load_config(params) == cfg
+        assert cfg.registry.model_name.startswith("gradline-")
+    # Back to the default: nothing of the GPT example is left behind.
+    cfg = apply_example(params, "digits-mlp")
+    assert cfg.model.options == {"hidden": 128, "depth": 2, "dropout": 0.0}
+    assert cfg.data.max_bytes is None and cfg.train.max_steps is None
+    assert cfg.runtime.world_size == runtime_before.world_size
+    assert "# global batch per optimizer step, split evenly across ranks" in params.read_text()
+
+
+def test_unknown_example_is_named(params: Path) -> None:
+    from training.examples import apply_example
+
+    before = params.read_text()
+    with pytest.raises(ConfigError, match="no example named 'cifar'; examples: digits-mlp"):
+        apply_example(params, "cifar")
+    assert params.read_text() == before
+
+
+def test_job_identity_leaves_out_how_the_job_runs() -> None:
+    from training.runs import job_key
+
+    base = Config()
+    runtime = base.model_copy(
+        update={"runtime": base.runtime.model_copy(update={"world_size": 4, "log_every_steps": 7})}
+    )
+    assert job_key(runtime, "md5") == job_key(base, "md5")
+    optim = base.model_copy(update={"optim": base.optim.model_copy(update={"lr": 0.1})})
+    assert job_key(optim, "md5") != job_key(base, "md5")
+    assert job_key(base, "other-md5") != job_key(base, "md5")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -23,8 +24,16 @@ from training.data.loader import (
     rank_slice,
     strided_rows,
 )
-from training.data.shards import file_sha256, read_manifest, split_codes, write_shards
-from training.data.sources import to_table
+from training.data.shards import (
+    MANIFEST_VERSION,
+    RunningMoments,
+    file_sha256,
+    read_manifest,
+    split_codes,
+    split_shards,
+    write_shards,
+)
+from training.data.sources import RawLayout, to_table
 from training.errors import DataError
 
 
@@ -39,11 +48,14 @@ def test_split_is_deterministic_and_proportional() -> None:
     assert split_codes(np.arange(12, dtype=np.uint64), 0.3, 0.3).tolist() == pinned
 
 
+CLASSES = RawLayout("synthetic", (4,), "int64", 3)
+
+
 def _raw(tmp_path, n: int, name: str = "part.parquet"):
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(n)
-    table = to_table(np.arange(n), rng.random((n, 4)), rng.integers(0, 3, n), 3)
+    table = to_table(np.arange(n), rng.random((n, 4)), rng.integers(0, 3, n), CLASSES)
     raw = tmp_path / "raw"
     raw.mkdir(exist_ok=True)
     pq.write_table(table, raw / name)
@@ -69,7 +81,7 @@ def test_split_of_a_row_survives_appended_data(tmp_path) -> None:
 
     rng = np.random.default_rng(1)
     extra = to_table(
-        np.arange(10**6, 10**6 + 300), rng.random((300, 4)), rng.integers(0, 3, 300), 3
+        np.arange(10**6, 10**6 + 300), rng.random((300, 4)), rng.integers(0, 3, 300), CLASSES
     )
     pq.write_table(extra, raw / "zz-appended.parquet")
     write_shards(cfg, raw, tmp_path / "b", "v2")
@@ -207,3 +219,103 @@ def test_dataloader_workers_yield_the_same_batches_in_order(tiny_shards) -> None
     assert len(inline) == len(pooled) == loader.batches_per_epoch - 2
     for (xa, ya), (xb, yb) in zip(inline, pooled, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_manifest_of_images_describes_classes_without_statistics(tiny_shards) -> None:
+    manifest = read_manifest(tiny_shards)
+    assert manifest["version"] == MANIFEST_VERSION
+    assert manifest["kind"] == "image" and manifest["label_type"] == "int64"
+    assert manifest["feature_stats"] is None and manifest["label_stats"] is None
+    assert manifest["feature_names"] is None
+
+
+REGRESSION = RawLayout("parquet", (3,), "float32", None, ("wide", "constant", "shifted"))
+
+
+def _regression_raw(tmp_path, n: int = 3000):
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(7)
+    features = np.c_[rng.normal(0, 1000, n), np.full(n, 5.0), rng.normal(1e4, 0.01, n)]
+    labels = rng.normal(40, 3, n)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    # Two files, so the statistics are merged across files and batches.
+    pq.write_table(
+        to_table(np.arange(n // 2), features[: n // 2], labels[: n // 2], REGRESSION),
+        raw / "part-00000.parquet",
+    )
+    pq.write_table(
+        to_table(np.arange(n // 2, n), features[n // 2 :], labels[n // 2 :], REGRESSION),
+        raw / "part-00001.parquet",
+    )
+    return raw
+
+
+def _split_arrays(shard_dir, manifest, split):
+    tables = [
+        ipc.open_file(pa.memory_map(str(s.path))).read_all()
+        for s in split_shards(shard_dir, manifest, split)
+    ]
+    table = pa.concat_tables(tables)
+    x = table.column("features").combine_chunks().flatten().to_numpy().reshape(table.num_rows, -1)
+    return x.astype(np.float64), table.column("label").to_numpy().astype(np.float64)
+
+
+def test_table_statistics_come_from_the_train_split(tmp_path) -> None:
+    raw = _regression_raw(tmp_path)
+    out = tmp_path / "shards"
+    manifest = write_shards(ShardConfig(target_shard_mb=0.01), raw, out, "v1", batch_rows=256)
+    assert manifest["kind"] == "table" and manifest["label_type"] == "float32"
+    assert manifest["num_classes"] is None
+    assert manifest["feature_names"] == ["wide", "constant", "shifted"]
+    x, y = _split_arrays(out, manifest, "train")
+    stats = manifest["feature_stats"]
+    assert np.allclose(stats["mean"], x.mean(axis=0), rtol=1e-12)
+    assert np.allclose([stats["std"][0], stats["std"][2]], x.std(axis=0)[[0, 2]], rtol=1e-9)
+    assert stats["std"][1] == 1.0  # a constant column is divided by 1, not by ~0
+    assert manifest["label_stats"]["mean"] == pytest.approx(y.mean(), rel=1e-12)
+    assert manifest["label_stats"]["std"] == pytest.approx(y.std(), rel=1e-9)
+    # Not the statistics of every row: val and test rows stay unseen.
+    all_y = np.concatenate([y] + [_split_arrays(out, manifest, s)[1] for s in ("val", "test")])
+    assert manifest["label_stats"]["mean"] != pytest.approx(all_y.mean(), rel=1e-9)
+
+
+def test_reader_returns_labels_in_the_shards_type(tmp_path) -> None:
+    raw = _regression_raw(tmp_path, 400)
+    manifest = write_shards(ShardConfig(target_shard_mb=0.002), raw, tmp_path / "s", "v1")
+    reader = open_reader(tmp_path / "s", manifest, "train")
+    x, y = reader.gather(np.arange(reader.num_rows))
+    assert x.dtype == np.float32 and y.dtype == np.float32
+    assert reader.row_bytes == 3 * 4 + 4
+    assert np.array_equal(y, _split_arrays(tmp_path / "s", manifest, "train")[1].astype(np.float32))
+
+
+def test_manifest_of_another_version_is_refused(tiny_shards, tmp_path) -> None:
+    manifest = read_manifest(tiny_shards)
+    (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "version": 2}))
+    with pytest.raises(DataError, match="re-run the shard stage"):
+        read_manifest(tmp_path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    cuts=st.lists(st.integers(0, 300), max_size=6),
+    scale=st.sampled_from([1e-3, 1.0, 1e6]),
+    offset=st.sampled_from([0.0, 1e8]),
+)
+def test_running_moments_agree_with_numpy_however_rows_are_batched(rows, cuts, scale, offset):
+    values = np.random.default_rng(rows).normal(offset, scale, (rows, 2)).astype(np.float32)
+    values[:, 1] = 3.0  # constant
+    moments = RunningMoments()
+    bounds = sorted({0, rows, *(c for c in cuts if c < rows)})
+    for start, stop in itertools.pairwise(bounds):
+        moments.add(values[start:stop])
+    mean, std = moments.result()
+    exact = values.astype(np.float64)
+    assert np.allclose(mean, exact.mean(axis=0), rtol=1e-12, atol=1e-9 * scale)
+    expected_std = exact.std(axis=0)
+    if expected_std[0] >= 1e-6:
+        assert std[0] == pytest.approx(expected_std[0], rel=1e-6)
+    assert std[1] == 1.0

@@ -11,6 +11,8 @@ import pytest
 import yaml
 
 from flows.deploy import read_deployments
+from training.engine.faults import FaultPlan, InjectedFailure, parse
+from training.engine.launch import Preempted, TrainingFailed
 from training.errors import (
     CRASH_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
@@ -19,8 +21,6 @@ from training.errors import (
     TrackingError,
     is_retryable_exit,
 )
-from training.faults import FaultPlan, InjectedFailure, parse
-from training.launch import Preempted, TrainingFailed
 from training.lineage import ModelRef, parse_model_ref
 from training.progress import Progress
 

@@ -20,8 +20,14 @@ SMALL = ["--set", "data.max_rows=500", "--set", "train.epochs=8"]
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
-    return copy_project(tmp_path_factory.mktemp("clone") / "gradline")
+def first_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, str]:
+    """One project that has run the pipeline once: (root, the CLI's output, run id).
+    Tests that use it stand alone: none needs another test to have run first."""
+    project = copy_project(tmp_path_factory.mktemp("clone") / "gradline")
+    proc = _gradline(project, "run", *SMALL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_id = json.loads((project / "result.json").read_text())["run_id"]
+    return project, proc, run_id
 
 
 def _env(root: Path) -> dict[str, str]:
@@ -53,83 +59,108 @@ def _client(root: Path):
     return MlflowClient(f"sqlite:///{root / 'mlflow' / 'mlflow.db'}")
 
 
-def test_bad_params_fail_naming_the_key_and_write_nothing(project: Path) -> None:
+def test_bad_params_fail_naming_the_key_and_write_nothing(tmp_path: Path) -> None:
+    project = copy_project(tmp_path / "gradline")
     params = project / "params.yaml"
     original = params.read_text()
     params.write_text(original.replace("  epochs: 30", "  epochs: 30\n  epoch: 3"))
-    try:
-        proc = _gradline(project, "run")
-        assert proc.returncode != 0
-        assert "train.epoch: unknown key" in proc.stderr
-        proc = _gradline(project, "run", "--set", "train.lr=fast")
-    finally:
-        params.write_text(original)
-    assert proc.returncode != 0 and "train.lr" in proc.stderr
+    proc = _gradline(project, "run")
+    assert proc.returncode == 2
+    assert "train.epoch: unknown key" in proc.stderr
+    params.write_text(original)
+    proc = _gradline(project, "run", "--set", "optim.lr=fast")
+    assert proc.returncode == 2 and "optim.lr" in proc.stderr
     for output in ("data/raw", "data/shards", "checkpoints", "model", "mlflow/mlflow.db"):
         assert not (project / output).exists(), output
     assert params.read_text() == original
 
 
-def test_run_trains_evaluates_and_registers(project: Path) -> None:
-    proc = _gradline(project, "run", *SMALL)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_run_trains_evaluates_and_registers(first_run) -> None:
+    project, proc, run_id = first_run
     assert "gradline run complete" in proc.stdout and "gradline ui" in proc.stdout
+    assert "(baseline " in proc.stdout  # the model's metric beside its baseline's
 
     params = yaml.safe_load((project / "params.yaml").read_text())
     assert params["data"]["max_rows"] == 500 and params["train"]["epochs"] == 8
 
     client = _client(project)
-    champion = client.get_model_version_by_alias("gradline-digits", "champion")
-    assert int(champion.version) == 1
-    run = client.get_run(champion.run_id)
+    (version,) = client.search_model_versions(f"name='gradline-digits' and run_id='{run_id}'")
+    run = client.get_run(run_id)
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     raw_md5 = next(o["md5"] for o in lock["stages"]["ingest"]["outs"] if o["path"] == "data/raw")
     assert run.data.tags["gradline.data_version"] == raw_md5
     assert run.data.tags["gradline.prefect_flow_run_id"]
     assert len(run.data.tags["mlflow.source.git.commit"]) == 40
     assert run.data.params["train.epochs"] == "8"
+    assert "runtime.world_size" not in run.data.params  # how it ran: a tag, not a param
+    assert run.data.tags["gradline.runtime.world_size"] == "2"
     (dataset,) = [d.dataset for d in run.inputs.dataset_inputs]
     assert dataset.digest == raw_md5 and dataset.name == "digits-raw"
     assert json.loads(dataset.source)["uri"].endswith("/data/raw")
-    assert run.data.metrics["test_accuracy"] > 0.8
+    metrics = run.data.metrics
+    assert metrics["test_accuracy"] > 0.8
     for key in ("test_macro_f1", "test_loss", "val_accuracy", "samples_per_s"):
-        assert key in run.data.metrics
-    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
+        assert key in metrics
+    assert 0.5 < metrics["baseline_test_accuracy"] <= 1.0
+    # The first version is champion only if it beats its baseline (logistic regression)
+    # on the same split; the gate's verdict at the time is tagged on the version.
+    beats = metrics["test_accuracy"] > metrics["baseline_test_accuracy"]
+    gated = client.get_model_version("gradline-digits", version.version).tags["gradline.gate"]
+    assert gated == ("champion" if beats else "challenger")
+    steps = [m.step for m in client.get_metric_history(run_id, "train_loss")]
     assert steps == sorted(set(steps)) and len(steps) > 10
-    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
+    artifacts = {a.path for a in client.list_artifacts(run_id, "checkpoints")}
     assert artifacts, "no checkpoint recorded on the run"
-    assert {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")} == {
+    assert {a.path for a in client.list_artifacts(run_id, "evaluation")} == {
         "evaluation/confusion_matrix.png",
         "evaluation/loss_curves.png",
     }
+    # The registered model takes raw rows through pyfunc and predicts classes.
+    import mlflow.pyfunc
+    import numpy as np
+
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow' / 'mlflow.db'}")
+    model = mlflow.pyfunc.load_model(f"models:/gradline-digits/{version.version}")
+    predicted = np.asarray(model.predict(np.zeros((3, 8, 8), dtype=np.float32)))
+    assert predicted.shape == (3,) and set(predicted.tolist()) <= set(range(10))
     # The data version was pushed to the DVC remote.
     assert any((project / ".dvcstore").rglob("*"))
 
 
-def test_dvc_agrees_with_the_flow(project: Path) -> None:
+def test_dvc_agrees_with_the_flow(first_run) -> None:
+    project, _, _ = first_run
     assert "up to date" in _dvc(project, "status").stdout
     assert "Running stage" not in _dvc(project, "repro").stdout
 
     params = project / "params.yaml"
-    params.write_text(params.read_text().replace("lr: 0.003", "lr: 0.002"))
-    out = _dvc(project, "repro").stdout
-    ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
-    assert ran == {"train", "evaluate"}
+    original = params.read_text()
+    try:
+        # How the job runs is not what it computes: nothing becomes stale.
+        params.write_text(original.replace("log_every_steps: 50", "log_every_steps: 7"))
+        assert "up to date" in _dvc(project, "status").stdout
+        params.write_text(original.replace("lr: 0.003", "lr: 0.002"))
+        stale = json.loads(_dvc(project, "status", "--json").stdout)
+        assert set(stale) == {"train", "evaluate"}
+    finally:
+        params.write_text(original)
 
 
-def test_second_run_adds_a_version_and_gates_the_champion(project: Path) -> None:
+def test_second_run_adds_a_version_and_gates_the_champion(first_run) -> None:
+    project, _, first_id = first_run
     proc = _gradline(project, "run", "--set", "train.seed=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    second_id = json.loads((project / "result.json").read_text())["run_id"]
     client = _client(project)
+    scores = {run_id: client.get_run(run_id).data.metrics for run_id in (first_id, second_id)}
     versions = {
-        int(v.version): client.get_run(v.run_id).data.metrics["test_accuracy"]
-        for v in client.search_model_versions("name='gradline-digits'")
+        v.run_id: int(v.version) for v in client.search_model_versions("name='gradline-digits'")
     }
-    assert set(versions) == {1, 2}
-    champion = int(client.get_model_version_by_alias("gradline-digits", "champion").version)
-    expected = 2 if versions[2] > versions[1] else 1
-    assert champion == expected
-    if expected == 1:
-        challenger = client.get_model_version_by_alias("gradline-digits", "challenger")
-        assert int(challenger.version) == 2
+    assert set(versions) >= {first_id, second_id}
+    second = client.get_model_version("gradline-digits", str(versions[second_id]))
+    new, old = scores[second_id], scores[first_id]
+    beats_baseline = new["test_accuracy"] > new["baseline_test_accuracy"]
+    old_champion = old["test_accuracy"] > old["baseline_test_accuracy"]
+    wins = beats_baseline and (not old_champion or new["test_accuracy"] > old["test_accuracy"])
+    assert ("champion" in second.aliases) == wins
+    assert f"test_accuracy {new['test_accuracy']:.4f}" in second.description
     assert "up to date" in _dvc(project, "status").stdout

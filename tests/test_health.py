@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from training.health import Heartbeat, describe, read_beats, read_failures, record_failure
+from training.engine.health import Heartbeat, describe, read_beats, read_failures, record_failure
 
 
 def test_a_failure_record_carries_the_rank_s_last_step(tmp_path: Path) -> None:

@@ -28,9 +28,9 @@ MODEL = "gradline-digits"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # Small and quick: 1 worker, a few epochs, checkpoints often enough to resume mid-run.
 SMALL = {
-    "train.world_size": 1,
-    "train.epochs": 4,
-    "train.checkpoint_every_steps": 10,
+    "runtime.world_size": 1,
+    "train.epochs": 12,
+    "runtime.checkpoint_every_steps": 10,
     "orchestrate.retry_delay_s": 1,
 }
 
@@ -273,10 +273,25 @@ def test_served_deployment_retrains_only_when_something_changed(server, served) 
     assert v2.tags["gradline.data_version"] != v1.tags["gradline.data_version"]
     assert v2.tags["gradline.prefect_flow_run_id"] == str(third.id)
     assert v2.tags["gradline.git_commit"] == v1.tags["gradline.git_commit"]
-    assert v2.description.startswith("test_accuracy")
     assert v1.tags["gradline.data_version"] in v1.description
+    # The gate re-scored champion v1 on the new test split, by the evaluate stage's own
+    # routine, and compared like for like: check the numbers and the verdict.
+    assert v1.tags["gradline.gate"] == "champion", v1.description
+    import mlflow as mlflow_lib
+    from training.project import Project
+    from training.stages import rescore_champion
+
+    store = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
+    mlflow_lib.set_tracking_uri(store)
+    mlflow_lib.set_registry_uri(store)
+    shards, champion_uri = root / "data" / "shards", f"models:/{MODEL}/1"
+    rescored = rescore_champion(Project(root).config(), shards, champion_uri, "test_accuracy")
+    new_score = mlflow.get_run(v2.run_id).data.metrics["test_accuracy"]
+    assert f"champion v1's {rescored:.4f} on the same test data" in v2.description
+    wins = new_score > rescored and new_score > float(v2.tags["baseline_test_accuracy"])
+    assert v2.tags["gradline.gate"] == ("champion" if wins else "challenger")
     aliases = mlflow.get_registered_model(MODEL).aliases
-    assert set(aliases.values()) <= {1, 2} and "champion" in aliases
+    assert int(aliases["champion"]) == (2 if wins else 1)
     # The compare view lines runs up: the same param and metric names on both.
     run1, run2 = mlflow.get_run(v1.run_id), mlflow.get_run(v2.run_id)
     assert set(run1.data.params) == set(run2.data.params)
@@ -308,13 +323,13 @@ def test_served_deployment_retrains_only_when_something_changed(server, served) 
 def test_deployment_with_bad_overrides_fails_without_retry(server, served) -> None:
     _, proc = served
     deployment = _deployment(server, proc)
-    failed = _run_deployment(server, deployment.id, overrides=["train.lr=fast"])
+    failed = _run_deployment(server, deployment.id, overrides=["optim.lr=fast"])
     assert failed.state.type.value == "FAILED"
-    assert "train.lr" in failed.state.message
+    assert "optim.lr" in failed.state.message
     tasks = _task_runs(server, failed.id, ("apply-params",))
     assert [t["run_count"] for t in tasks["apply-params"]] == [1]
     assert "ingest" not in tasks and "train" not in tasks
-    assert "train.lr" in _summary_markdown(server, failed.id)
+    assert "optim.lr" in _summary_markdown(server, failed.id)
 
 
 def test_bad_data_fails_at_once_with_the_cause(server, tmp_path) -> None:
@@ -350,11 +365,13 @@ def quota_projects(server, tmp_path_factory):
         _project(base / name, **{"orchestrate.device_limit": limit, "data.max_rows": 600})
         for name in ("a", "b")
     ]
+    # Training slowed down so that the two flows surely want the device at the same time.
+    slow = {"GRADLINE_FAULT": "slow:rank=0:step=0:seconds=0.1"}
     procs = [
         subprocess.Popen(
             [str(BIN / "gradline"), "run"],
             cwd=root,
-            env=_env(root, server),
+            env=_env(root, server, **slow),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -367,24 +384,27 @@ def quota_projects(server, tmp_path_factory):
     return roots
 
 
-def _train_task_run(api: str, root: Path):
+def _train_task_run(api: str, root: Path, name: str = "train"):
     run_id = json.loads((root / "result.json").read_text())["run_id"]
     flow_run_id = _mlflow(root).get_run(run_id).data.tags["gradline.prefect_flow_run_id"]
-    (train,) = _task_runs(api, flow_run_id, ("train", "publish-summary"))["train"]
-    return train
+    (task_run,) = _task_runs(api, flow_run_id, (name, "publish-summary"))[name]
+    return task_run
 
 
 def test_flows_sharing_one_device_train_one_after_the_other(server, quota_projects) -> None:
-    first, second = sorted(
-        (_train_task_run(server, root) for root in quota_projects), key=lambda t: t["start_time"]
-    )
-    end, start = (datetime.fromisoformat(t) for t in (first["end_time"], second["start_time"]))
-    assert end <= start, (end, start)
+    trains = [_train_task_run(server, root) for root in quota_projects]
+    shards = [_train_task_run(server, root, "shard") for root in quota_projects]
+    first, second = sorted(range(2), key=lambda i: trains[i]["start_time"])
+    at = datetime.fromisoformat
+    # The second flow was ready to train (its shard stage done) while the first trained,
+    # and it started training only when the first had released the device: it waited.
+    assert at(shards[second]["end_time"]) < at(trains[first]["end_time"])
+    assert at(trains[first]["end_time"]) <= at(trains[second]["start_time"])
 
     # A job that needs more devices than the quota has fails at once, saying so.
     root = quota_projects[0]
     params = (root / "params.yaml").read_text()
-    proc = _gradline(root, server, "run", "--set", "train.world_size=2")
+    proc = _gradline(root, server, "run", "--set", "runtime.world_size=2")
     assert proc.returncode == 2
     assert "raise the limit" in proc.stderr and "gradline-test-devices" in proc.stderr
     assert (root / "params.yaml").read_text() == params  # refused before anything was written
@@ -398,7 +418,7 @@ def test_retried_training_continues_the_same_run(server, quota_projects) -> None
         "run",
         "--force",
         "--set",
-        "train.max_restarts=0",
+        "runtime.max_restarts=0",
         GRADLINE_FAULT="fail:rank=0:step=15:once=1",
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

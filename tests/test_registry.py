@@ -1,74 +1,124 @@
-"""The registry gate against a real MLflow SQLite store: champion moves only on a win,
-measured on the same test data (the champion is re-evaluated when the data changed)."""
+"""The registry gate against a real MLflow SQLite store: on the task's metric, in its
+direction, never champion without beating the baseline, the champion re-scored when the
+test data changed, and a clear verdict when it cannot take the new data."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from training.serving import log_pyfunc_model
 
-from training.models import ModelSpec, build_model
-from training.registry import register_and_gate
-from training.runs import log_final_model
+from training.config import ModelConfig
+from training.data.spec import DataSpec
+from training.models import ModelSpec, build_model, save_model_dir
+from training.registry import GATE_TAG, ChampionIncompatible, Score, is_gated, register_and_gate
 from training.tracking import TAG_TEST_DIGEST, client, ensure_experiment
 
 NAME = "gate-test"
+DATA = DataSpec("table", feature_shape=(4,), num_classes=2)
+MLP = ModelConfig(name="mlp", hidden=8, depth=1)
 
 
 @pytest.fixture
 def store(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     experiment = ensure_experiment(uri, "registry", (tmp_path / "artifacts").as_uri())
-    return uri, experiment
+    return uri, experiment, tmp_path
 
 
 def _trained(store, accuracy: float, digest: str = "test-split-a") -> tuple[str, str]:
     """A logged model whose run says it scored `accuracy` on test split `digest`."""
-    uri, experiment = store
+    uri, experiment, tmp_path = store
     mlflow = client(uri)
     run_id = mlflow.create_run(experiment).info.run_id
     torch.manual_seed(int(accuracy * 1000))
-    model = build_model(ModelSpec(in_features=4, num_classes=2, hidden=8))
-    model_uri = log_final_model(uri, run_id, model, np.zeros((2, 4), dtype=np.float32))
+    folder = tmp_path / f"model-{run_id}"
+    model = build_model(MLP, "classification", DATA)
+    save_model_dir(model, ModelSpec("classification", MLP.model_dump(), DATA.to_dict()), folder)
+    model_uri = log_pyfunc_model(uri, run_id, folder, {})
     mlflow.log_metric(run_id, "test_accuracy", accuracy)
     mlflow.set_tag(run_id, TAG_TEST_DIGEST, digest)
     return run_id, model_uri
 
 
-def _gate(store, run, accuracy, digest="test-split-a", reevaluate=None):
-    def never(_uri: str) -> float:
-        raise AssertionError("the champion was scored on the same data: no re-evaluation")
+def _never(_uri: str) -> float:
+    raise AssertionError("the champion was scored on the same data: no re-scoring")
 
-    return register_and_gate(store[0], NAME, run[1], run[0], accuracy, digest, reevaluate or never)
+
+def _gate(store, run, accuracy, baseline=0.5, digest="test-split-a", rescore=_never):
+    score = Score("test_accuracy", True, accuracy, baseline)
+    return register_and_gate(store[0], NAME, run[1], run[0], score, digest, rescore)
+
+
+def _description(store, version: int) -> str:
+    return client(store[0]).get_model_version(NAME, str(version)).description
 
 
 def test_champion_moves_only_when_beaten(store) -> None:
     first = _gate(store, _trained(store, 0.90), 0.90)
-    assert (first.version, first.alias, first.champion_accuracy) == (1, "champion", None)
+    assert (first.version, first.alias, first.champion_score) == (1, "champion", None)
     worse = _gate(store, _trained(store, 0.85), 0.85)
-    assert (worse.version, worse.alias, worse.champion_accuracy) == (2, "challenger", 0.90)
+    assert (worse.version, worse.alias, worse.champion_score) == (2, "challenger", 0.90)
+    assert "not champion v1's 0.9000" in worse.verdict
     tie = _gate(store, _trained(store, 0.90), 0.90)
     assert tie.alias == "challenger"  # a tie does not beat the champion
     better = _gate(store, _trained(store, 0.95), 0.95)
     assert (better.version, better.alias) == (4, "champion")
     mlflow = client(store[0])
     assert int(mlflow.get_model_version_by_alias(NAME, "champion").version) == 4
+    tags = mlflow.get_model_version(NAME, "4").tags
+    assert (tags["test_accuracy"], tags["baseline_test_accuracy"]) == ("0.95", "0.5")
 
 
-def test_champion_is_re_evaluated_on_new_test_data(store) -> None:
+def test_lower_is_better_metrics_gate_the_other_way(store) -> None:
+    def gate(run, rmse):
+        score = Score("test_rmse", False, rmse, 60.0)
+        return register_and_gate(store[0], NAME, run[1], run[0], score, "split", _never)
+
+    def trained(rmse):  # the champion's recorded score on the same split
+        run = _trained(store, 0.5, "split")
+        client(store[0]).log_metric(run[0], "test_rmse", rmse)
+        return run
+
+    assert gate(trained(55.0), 55.0).alias == "champion"
+    assert gate(trained(57.0), 57.0).alias == "challenger"
+    assert gate(trained(50.0), 50.0).alias == "champion"
+
+
+def test_a_model_that_does_not_beat_its_baseline_is_never_champion(store) -> None:
+    result = _gate(store, _trained(store, 0.44), 0.44, baseline=0.95)
+    assert (result.version, result.alias) == (1, "challenger")  # even with no champion yet
+    assert "does not beat the baseline's 0.9500" in _description(store, 1)
+    with pytest.raises(Exception, match="not found"):
+        client(store[0]).get_model_version_by_alias(NAME, "champion")
+
+
+def test_champion_is_re_scored_on_new_test_data(store) -> None:
     _gate(store, _trained(store, 0.99, digest="old-split"), 0.99, digest="old-split")
-    loaded = []
+    asked = []
 
-    def reevaluate(model_uri: str) -> float:
-        import mlflow.pytorch
-
-        champion = mlflow.pytorch.load_model(model_uri)  # through the configured registry
-        loaded.append(champion(torch.zeros(1, 4)).shape)
+    def rescore(model_uri: str) -> float:
+        asked.append(model_uri)
         return 0.70
 
-    result = _gate(store, _trained(store, 0.80, "new-split"), 0.80, "new-split", reevaluate)
-    assert loaded == [torch.Size([1, 2])]
-    assert (result.alias, result.champion_accuracy) == ("champion", 0.70)
+    run = _trained(store, 0.80, "new-split")
+    result = _gate(store, run, 0.80, digest="new-split", rescore=rescore)
+    assert asked == [f"models:/{NAME}/1"]
+    assert (result.alias, result.champion_score) == ("champion", 0.70)
+    assert "champion v1's 0.7000 on the same test data" in result.verdict
+    assert "champion v1's 0.7000 on the same test data" in _description(store, 2)
+
+
+def test_a_champion_that_cannot_take_the_new_data_gets_a_verdict_not_a_crash(store) -> None:
+    _gate(store, _trained(store, 0.99, digest="old-split"), 0.99, digest="old-split")
+
+    def rescore(_uri: str) -> float:
+        raise ChampionIncompatible("it takes features of shape [30], the data now has [31]")
+
+    result = _gate(store, _trained(store, 0.90, "new"), 0.90, digest="new", rescore=rescore)
+    assert (result.alias, result.champion_score) == ("champion", None)
+    assert "champion v1 cannot be compared (it takes features of shape [30]" in result.verdict
+    assert "cannot be compared" in _description(store, 2)
 
 
 def test_registering_the_same_run_twice_adds_no_version(store) -> None:
@@ -78,7 +128,6 @@ def test_registering_the_same_run_twice_adds_no_version(store) -> None:
 
 def test_a_registration_cut_short_is_gated_on_the_next_run(store) -> None:
     import mlflow
-    from training.registry import GATE_TAG, is_gated
 
     _gate(store, _trained(store, 0.80), 0.80)
     run = _trained(store, 0.90)
@@ -87,7 +136,7 @@ def test_a_registration_cut_short_is_gated_on_the_next_run(store) -> None:
     registry = client(store[0])
     assert not is_gated(registry, NAME, run[0])
     result = _gate(store, run, 0.90)
-    assert (result.version, result.alias, result.champion_accuracy) == (2, "champion", 0.80)
+    assert (result.version, result.alias, result.champion_score) == (2, "champion", 0.80)
     assert registry.get_model_version(NAME, "2").tags[GATE_TAG] == "champion"
     assert is_gated(registry, NAME, run[0])
     assert len(registry.search_model_versions(f"name='{NAME}'")) == 2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from training.timing import PHASES, RankTimes, find_stragglers, interval_metrics
+from training.engine.timing import PHASES, RankTimes, find_stragglers, interval_metrics
 
 
 def _rank(rank: int, busy: float, sync: float) -> RankTimes:

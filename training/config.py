@@ -22,14 +22,21 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+TABLE_SOURCES = ("digits", "diabetes", "synthetic", "parquet", "csv")
+TEXT_SOURCES = ("text", "stdlib")
+
+
 class DataConfig(_Section):
-    source: Literal["digits", "synthetic", "parquet", "csv"] = Field(
-        "digits", description="where rows come from"
+    source: Literal["digits", "diabetes", "synthetic", "parquet", "csv", "text", "stdlib"] = Field(
+        "digits",
+        description="digits, diabetes (bundled with scikit-learn), synthetic; parquet or "
+        "csv tables and text files under data.path; stdlib: the running Python's own "
+        "source code, a text corpus on every machine",
     )
     path: str = Field(
         "data/incoming",
         min_length=1,
-        description="parquet/csv: a file or a folder of files, relative to the project",
+        description="parquet/csv/text: a file or a folder of files, relative to the project",
     )
     label_column: str = Field("label", min_length=1)
     feature_columns: list[str] | None = Field(
@@ -45,7 +52,7 @@ class DataConfig(_Section):
         None, description="a unique row key; null: a hash of the row's contents"
     )
     num_classes: int | None = Field(
-        None, ge=2, description="labels must lie in 0..num_classes-1 (parquet/csv)"
+        None, ge=2, description="classification: labels must lie in 0..num_classes-1"
     )
     on_invalid: Literal["fail", "quarantine"] = Field(
         "fail", description="quarantine: bad rows go to data/quarantine/ with a reason"
@@ -62,6 +69,20 @@ class DataConfig(_Section):
     synthetic_classes: int = Field(10, ge=2)
     synthetic_noise: float = Field(1.0, ge=0.0)
     seed: int = Field(0, ge=0, description="seeds the synthetic source")
+    # Text sources (text, stdlib) only.
+    text_glob: str = Field("*.txt", min_length=1, description="text: which files to read")
+    max_bytes: int | None = Field(
+        None, ge=1, description="text: stop after this many bytes of files (a byte budget)"
+    )
+    split_by: Literal["file", "document"] = Field(
+        "file",
+        description="text: a split holds whole files, or whole documents (blank-line "
+        "separated); either way a split never moves when files are added",
+    )
+    tokenizer: Literal["bytes", "bpe"] = Field(
+        "bytes", description="bytes: UTF-8 bytes, no training; bpe: trained at ingest"
+    )
+    vocab_size: int = Field(2048, ge=260, le=65535, description="bpe: vocabulary size")
 
     @model_validator(mode="after")
     def _features_declared_once(self) -> DataConfig:
@@ -69,11 +90,6 @@ class DataConfig(_Section):
             raise ValueError(
                 "set data.tensor_column or data.feature_columns, not both: features come "
                 "either from one list column or from several numeric columns"
-            )
-        if self.source in ("parquet", "csv") and self.num_classes is None:
-            raise ValueError(
-                f"data.num_classes is required for source {self.source!r}: labels are "
-                "checked against 0..num_classes-1"
             )
         shapes = [self.feature_shape or [1], self.synthetic_shape]
         if any(d < 1 for shape in shapes for d in shape):
@@ -96,47 +112,109 @@ class ShardConfig(_Section):
         return self
 
 
-class TrainConfig(_Section):
-    world_size: int = Field(2, ge=1, description="worker processes (one per GPU on CUDA)")
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    epochs: int = Field(30, ge=1)
-    batch_size: int = Field(64, ge=1, description="global batch per optimizer step")
-    grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
+TaskType = Literal["classification", "regression", "language_modeling"]
+
+
+class TaskConfig(_Section):
+    """What is learned, and so the loss, the metrics, the baseline and the gate."""
+
+    type: TaskType = Field(
+        "classification",
+        description="classification (integer labels), regression (float labels) or "
+        "language_modeling (text sources)",
+    )
+    prompts: list[str] = Field(
+        ["def ", "import ", "class Queue"],
+        description="language_modeling: prompts whose sampled continuations are logged",
+    )
+    max_new_tokens: int = Field(120, ge=1, description="language_modeling: tokens generated")
+    temperature: float = Field(0.8, gt=0.0, description="language_modeling: sampling")
+    top_k: int | None = Field(40, ge=1, description="language_modeling: sample among the k best")
+    baseline_max_rows: int = Field(
+        50000, ge=100, description="rows of the train split the baseline is fitted on"
+    )
+
+
+class ModelConfig(BaseModel):
+    """`name` picks a built-in; `target: package.module:factory` builds the user's own
+    module. The remaining keys belong to that model and are validated by it
+    (training.models.params), so this section alone is open."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str | None = Field("mlp", description="a built-in: mlp, cnn, gpt")
+    target: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="package.module:factory called with the remaining keys",
+    )
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The model's own keys (everything but name and target)."""
+        return dict(self.model_extra or {})
+
+    @model_validator(mode="after")
+    def _one_way_to_build(self) -> ModelConfig:
+        from training.models.params import check_model_options
+
+        if self.target and self.name not in (None, "mlp"):
+            raise ValueError(
+                "set model.name or model.target, not both (name picks a built-in, target "
+                "names your own factory as package.module:function)"
+            )
+        if self.target:
+            return self
+        check_model_options(self.name, self.options)
+        return self
+
+
+class OptimConfig(_Section):
     lr: float = Field(0.003, gt=0.0)
+    weight_decay: float = Field(0.0001, ge=0.0)
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     warmup_steps: int = Field(20, ge=0, description="linear warmup before the schedule")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine floor, times lr")
-    weight_decay: float = Field(0.0001, ge=0.0)
     grad_clip: float = Field(1.0, ge=0.0, description="max gradient norm; 0 disables")
-    hidden: int = Field(128, ge=1)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+
+class TrainConfig(_Section):
+    """What computes the model: these keys (with model, task, optim, shard and the data
+    version) are the job's identity and the train stage's DVC params."""
+
+    epochs: int = Field(30, ge=1)
+    max_steps: int | None = Field(
+        None, ge=1, description="stop after this many optimizer steps (null: all epochs)"
+    )
+    batch_size: int = Field(64, ge=1, description="global batch per optimizer step")
+    grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
     seed: int = Field(0, ge=0)
     deterministic: bool = Field(True, description="deterministic kernels: bitwise resume")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU"
     )
     compile: bool = Field(False, description="torch.compile the model")
+
+
+class RuntimeConfig(_Section):
+    """How a job runs. Never part of the job's identity nor a DVC param: changing a key
+    here never retrains and never starts a new MLflow run (a stopped job resumes)."""
+
+    world_size: int = Field(2, ge=1, description="worker processes (one per GPU on CUDA)")
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per rank")
+    loader_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
+    log_every_steps: int = Field(50, ge=1, description="metrics and time breakdown interval")
+    eval_every_steps: int | None = Field(
+        None, ge=1, description="validation interval in steps (null: at each epoch's end)"
+    )
+    control_every_steps: int = Field(10, ge=1, description="steps between preemption checks")
     checkpoint_every_steps: int = Field(100, ge=1)
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk")
     async_checkpoint: bool = Field(True, description="write checkpoints off the hot loop")
-    log_every_steps: int = Field(50, ge=1, description="metrics and time breakdown interval")
-    control_every_steps: int = Field(10, ge=1, description="steps between preemption checks")
     straggler_factor: float = Field(1.5, gt=1.0, description="busy time over the median rank")
     collective_timeout_s: float = Field(300.0, gt=0.0, description="a stalled rank fails then")
     max_restarts: int = Field(3, ge=0, description="elastic restarts after a worker failure")
-    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per rank")
-    loader_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
-
-    @model_validator(mode="after")
-    def _batch_splits_evenly(self) -> TrainConfig:
-        share = self.world_size * self.grad_accum_steps
-        if self.batch_size % share:
-            raise ValueError(
-                f"train.batch_size ({self.batch_size}) must be a multiple of "
-                f"train.world_size x train.grad_accum_steps ({share}) so every rank and "
-                "micro-batch gets the same share"
-            )
-        return self
 
 
 class EvaluateConfig(_Section):
@@ -170,7 +248,11 @@ class OrchestrateConfig(_Section):
 class Config(_Section):
     data: DataConfig = DataConfig()
     shard: ShardConfig = ShardConfig()
+    task: TaskConfig = TaskConfig()
+    model: ModelConfig = ModelConfig(name="mlp", hidden=128, depth=2, dropout=0.0)
+    optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     registry: RegistryConfig = RegistryConfig()
     orchestrate: OrchestrateConfig = OrchestrateConfig()
@@ -183,14 +265,71 @@ class Config(_Section):
             for key, value in values.items()
         }
 
+    def identity(self) -> dict[str, Any]:
+        """What defines the job (with the data version): everything that computes the
+        model, nothing about how the job runs."""
+        return {section: getattr(self, section).model_dump() for section in JOB_SECTIONS}
 
-# Sections that say where results are recorded, not how they are computed: no DVC stage
-# depends on them, so changing them never makes a stage stale.
-UNTRACKED_SECTIONS = frozenset({"registry", "orchestrate"})
+    @model_validator(mode="after")
+    def _sections_agree(self) -> Config:
+        from training.models.params import check_model_task
+
+        share = self.runtime.world_size * self.train.grad_accum_steps
+        if self.train.batch_size % share:
+            raise ValueError(
+                f"train.batch_size ({self.train.batch_size}) must be a multiple of "
+                f"runtime.world_size x train.grad_accum_steps ({share}) so every rank and "
+                "micro-batch gets the same share"
+            )
+        task, source = self.task.type, self.data.source
+        text = source in TEXT_SOURCES
+        if text != (task == "language_modeling"):
+            raise ValueError(
+                f"task.type {task} does not fit data.source {source}: text sources "
+                f"({', '.join(TEXT_SOURCES)}) train language models, tables and images "
+                "train classification or regression"
+            )
+        fixed = {"digits": "classification", "diabetes": "regression"}
+        if fixed.get(source, task) != task:
+            raise ValueError(
+                f"data.source {source} is a {fixed[source]} data set; set task.type: "
+                f"{fixed[source]}"
+            )
+        if (
+            task == "classification"
+            and source in ("parquet", "csv")
+            and self.data.num_classes is None
+        ):
+            raise ValueError(
+                f"data.num_classes is required to classify a {source} table: labels are "
+                "checked against 0..num_classes-1 (or set task.type: regression)"
+            )
+        if not self.model.target:
+            check_model_task(self.model.name, task)
+        return self
+
+
+# What defines a job, with the data version: its key, its DVC params, its MLflow run.
+JOB_SECTIONS = ("shard", "task", "model", "optim", "train")
+# Sections that say where results are recorded or how a job runs, not what it computes:
+# no DVC stage depends on them, so changing them never makes a stage stale.
+UNTRACKED_SECTIONS = frozenset({"runtime", "registry", "orchestrate"})
+# Keys that moved when `train` was split; an old params.yaml or --set gets pointed on.
+MOVED_KEYS = {
+    **{f"train.{k}": f"runtime.{k}" for k in RuntimeConfig.model_fields},
+    **{f"train.{k}": f"optim.{k}" for k in OptimConfig.model_fields},
+    "train.hidden": "model.hidden",
+    "train.dropout": "model.dropout",
+}
+OPEN_SECTIONS = frozenset({"model"})  # its keys depend on the model; validated there
 
 
 def _section_fields(section: str) -> list[str]:
     return list(Config.model_fields[section].annotation.model_fields)
+
+
+def _moved(key: str) -> str:
+    return f"; it moved to {MOVED_KEYS[key]}" if key in MOVED_KEYS else ""
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -207,9 +346,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
             f"override {text!r}: unknown section {section!r}; "
             f"sections are {', '.join(Config.model_fields)}"
         )
-    if field not in _section_fields(section):
+    if section not in OPEN_SECTIONS and field not in _section_fields(section):
         raise ConfigError(
-            f"override {text!r}: unknown key {section}.{field}; "
+            f"override {text!r}: unknown key {section}.{field}{_moved(key.strip())}; "
             f"keys in {section} are {', '.join(_section_fields(section))}"
         )
     try:
@@ -237,7 +376,7 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
         if err["type"] == "extra_forbidden":
             section = str(err["loc"][0]) if len(err["loc"]) > 1 else None
             allowed = _section_fields(section) if section else list(Config.model_fields)
-            lines.append(f"  {where}: unknown key; allowed: {', '.join(allowed)}")
+            lines.append(f"  {where}: unknown key{_moved(where)}; allowed: {', '.join(allowed)}")
         else:
             got = err.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
@@ -262,7 +401,7 @@ def read_params(params_path: Path) -> dict[str, Any]:
     return read_yaml_mapping(
         params_path,
         "every gradline project has a params.yaml",
-        "a mapping of sections (data, shard, train...)",
+        "a mapping of sections (data, shard, task, model, optim, train, runtime...)",
     )
 
 
@@ -286,6 +425,21 @@ def write_overrides(params_path: Path, overrides: list[str] | tuple[str, ...]) -
     config = load_config(params_path, overrides)
     if not overrides:
         return config
+    changes: dict[str, dict[str, Any]] = {}
+    for text in overrides:
+        section, field, _ = parse_override(text)
+        # Record the validated value (`1e-2` becomes 0.01), so DVC sees its real type.
+        changes.setdefault(section, {})[field] = getattr(getattr(config, section), field)
+    update_params_file(params_path, changes)
+    return config
+
+
+def update_params_file(
+    params_path: Path, changes: dict[str, dict[str, Any]], replace: frozenset[str] = frozenset()
+) -> None:
+    """Write `changes` (section -> key -> value) into params.yaml, keeping its comments;
+    sections in `replace` keep only the keys given. Atomic: temp file, fsync, rename.
+    Callers validate first."""
     from ruamel.yaml import YAML  # dvc's own YAML library: round-trips comments
 
     rt = YAML()
@@ -295,12 +449,14 @@ def write_overrides(params_path: Path, overrides: list[str] | tuple[str, ...]) -
         type(None), lambda rep, _: rep.represent_scalar("tag:yaml.org,2002:null", "null")
     )
     doc = rt.load(params_path.read_text()) or {}
-    for text in overrides:
-        section, field, _ = parse_override(text)
+    for section, values in changes.items():
         if section not in doc or doc[section] is None:
             doc[section] = {}
-        # Record the validated value (`1e-2` becomes 0.01), so DVC sees its real type.
-        doc[section][field] = getattr(getattr(config, section), field)
+        if section in replace:
+            for stale in [k for k in doc[section] if k not in values]:
+                del doc[section][stale]
+        for key, value in values.items():
+            doc[section][key] = value
     fd, tmp = tempfile.mkstemp(dir=params_path.parent, prefix=".params.", suffix=".yaml")
     try:
         with os.fdopen(fd, "w") as handle:
@@ -311,4 +467,3 @@ def write_overrides(params_path: Path, overrides: list[str] | tuple[str, ...]) -
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return config

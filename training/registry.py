@@ -1,9 +1,14 @@
 """Model registry: a new version per training run, and a gate that moves `champion`.
 
-The new version becomes `champion` when there is none, or when it beats the champion's
-test accuracy on the same test data. When the test split changed since the champion was
-evaluated, the champion is evaluated again on the current split, so the comparison is
-always like for like. Otherwise the new version is the `challenger`.
+The gate compares on the task's own metric in its own direction (accuracy up, RMSE or
+loss down), always on the same test data:
+- a model that does not beat its simple baseline (scored on the same split) is
+  registered but never becomes `champion`, even when there is none yet;
+- otherwise it becomes `champion` when there is none, or when it beats the champion.
+When the test split changed since the champion was evaluated, the champion is scored
+again on the current split. A champion that cannot take the current data (its input
+schema changed) is not comparable: the verdict says so, and the new version is judged
+against its baseline alone. The version's description says why it got its alias.
 """
 
 from __future__ import annotations
@@ -18,29 +23,77 @@ CHALLENGER = "challenger"
 GATE_TAG = "gradline.gate"  # the alias the gate gave this version; set last
 
 
+class ChampionIncompatible(Exception):
+    """The champion cannot score the current data; the message says why."""
+
+
+@dataclass(frozen=True)
+class Score:
+    """The task's gate metric for the new model and its baseline on the same split."""
+
+    metric: str  # e.g. test_accuracy
+    higher_is_better: bool
+    value: float
+    baseline: float
+
+    def beats(self, a: float, b: float) -> bool:
+        return a > b if self.higher_is_better else a < b
+
+
 @dataclass(frozen=True)
 class Registration:
     model_name: str
     version: int
     alias: str
-    test_accuracy: float
-    champion_accuracy: float | None  # the previous champion's, on the same test data
+    score: Score
+    champion_score: float | None  # the previous champion's, on the same test data
+    verdict: str
 
 
-def _champion_accuracy(
-    mlflow_client, model_name: str, test_digest: str, reevaluate: Callable[[str], float]
-) -> float | None:
+def _champion_score(
+    mlflow_client, model_name: str, metric: str, test_digest: str, rescore
+) -> tuple[str | None, float | None, str | None]:
+    """(champion version, its score on this test data, why it could not be scored)."""
     from mlflow.exceptions import MlflowException
 
     try:
         champion = mlflow_client.get_model_version_by_alias(model_name, CHAMPION)
     except MlflowException:
-        return None
+        return None, None, None
     run = mlflow_client.get_run(champion.run_id)
-    same_test_data = run.data.tags.get(TAG_TEST_DIGEST) == test_digest
-    if same_test_data and "test_accuracy" in run.data.metrics:
-        return run.data.metrics["test_accuracy"]
-    return reevaluate(f"models:/{model_name}/{champion.version}")
+    if run.data.tags.get(TAG_TEST_DIGEST) == test_digest and metric in run.data.metrics:
+        return champion.version, run.data.metrics[metric], None
+    try:
+        return champion.version, rescore(f"models:/{model_name}/{champion.version}"), None
+    except ChampionIncompatible as exc:
+        return champion.version, None, str(exc)
+
+
+def decide(score: Score, champion: str | None, champion_score: float | None, why_not):
+    """(alias, verdict) for a new version."""
+    name = score.metric
+    if not score.beats(score.value, score.baseline):
+        return CHALLENGER, (
+            f"not champion: {name} {score.value:.4f} does not beat the baseline's "
+            f"{score.baseline:.4f} on the same test split"
+        )
+    versus = f"beats the baseline's {score.baseline:.4f}"
+    if champion is None:
+        return CHAMPION, f"champion: {name} {score.value:.4f} {versus}; first champion"
+    if champion_score is None:
+        return CHAMPION, (
+            f"champion: {name} {score.value:.4f} {versus}; champion v{champion} cannot be "
+            f"compared ({why_not}), so it is replaced"
+        )
+    if score.beats(score.value, champion_score):
+        return CHAMPION, (
+            f"champion: {name} {score.value:.4f} {versus} and champion v{champion}'s "
+            f"{champion_score:.4f} on the same test data"
+        )
+    return CHALLENGER, (
+        f"challenger: {name} {score.value:.4f} {versus} but not champion v{champion}'s "
+        f"{champion_score:.4f} on the same test data"
+    )
 
 
 def register_and_gate(
@@ -48,14 +101,16 @@ def register_and_gate(
     model_name: str,
     model_uri: str,
     run_id: str,
-    test_accuracy: float,
+    score: Score,
     test_digest: str,
-    reevaluate: Callable[[str], float],
+    rescore: Callable[[str], float],
     tags: dict[str, str] | None = None,
 ) -> Registration:
+    """Register the run's model (once) and give it its alias. `rescore(model_uri)` scores
+    a champion on the current test split, or raises ChampionIncompatible."""
     import mlflow
 
-    # Set first: `reevaluate` loads the champion through these URIs.
+    # Set first: `rescore` loads the champion through these URIs.
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_registry_uri(tracking_uri)
     mlflow_client = client(tracking_uri)
@@ -66,24 +121,30 @@ def register_and_gate(
     if version is not None:
         if GATE_TAG in version.tags:
             alias = ",".join(version.aliases) or "(no alias)"
-            return Registration(model_name, int(version.version), alias, test_accuracy, None)
+            done = version.description or "gated before"
+            return Registration(model_name, int(version.version), alias, score, None, done)
         if CHAMPION in version.aliases:  # cut short after the alias moved: it won
             mlflow_client.set_model_version_tag(model_name, version.version, GATE_TAG, CHAMPION)
-            return Registration(model_name, int(version.version), CHAMPION, test_accuracy, None)
-    champion_accuracy = _champion_accuracy(mlflow_client, model_name, test_digest, reevaluate)
+            done = version.description or CHAMPION
+            return Registration(model_name, int(version.version), CHAMPION, score, None, done)
+    champion, champion_score, why_not = _champion_score(
+        mlflow_client, model_name, score.metric, test_digest, rescore
+    )
     tags = {"gradline.run_id": run_id, **(tags or {})}
     if version is None:
         version = mlflow.register_model(model_uri, model_name, tags=tags)
-    wins = champion_accuracy is None or test_accuracy > champion_accuracy
-    alias = CHAMPION if wins else CHALLENGER
+    alias, verdict = decide(score, champion, champion_score, why_not)
+    for key, value in (
+        (score.metric, score.value),
+        (f"baseline_{score.metric}", score.baseline),
+    ):
+        mlflow_client.set_model_version_tag(model_name, version.version, key, f"{value:.6g}")
     mlflow_client.update_model_version(
-        model_name,
-        version.version,
-        description=_describe(tags, test_accuracy, champion_accuracy, alias),
+        model_name, version.version, description=_describe(tags, verdict)
     )
     mlflow_client.set_registered_model_alias(model_name, alias, version.version)
     mlflow_client.set_model_version_tag(model_name, version.version, GATE_TAG, alias)
-    return Registration(model_name, int(version.version), alias, test_accuracy, champion_accuracy)
+    return Registration(model_name, int(version.version), alias, score, champion_score, verdict)
 
 
 def version_of_run(mlflow_client, model_name: str, run_id: str):
@@ -99,17 +160,10 @@ def is_gated(mlflow_client, model_name: str, run_id: str) -> bool:
     return version is not None and GATE_TAG in version.tags
 
 
-def _describe(
-    tags: dict[str, str], test_accuracy: float, champion_accuracy: float | None, alias: str
-) -> str:
-    """The version's description in the registry: what it scored and where it came from."""
-    versus = (
-        "first champion"
-        if champion_accuracy is None
-        else f"champion before it: {champion_accuracy:.4f} on the same test data"
-    )
+def _describe(tags: dict[str, str], verdict: str) -> str:
+    """The version's description in the registry: its verdict and where it came from."""
     lines = [
-        f"test_accuracy {test_accuracy:.4f} ({versus}); registered as {alias}.",
+        f"{verdict[0].upper()}{verdict[1:]}.",
         f"Trained in MLflow run {tags['gradline.run_id']}.",
     ]
     if "gradline.data_version" in tags:

@@ -1,9 +1,11 @@
 """The MLflow run of a training job: created (or resumed) before workers start.
 
-A job is identified by its key: a hash of the train parameters and the data version. A
-job that stopped before finishing (worker failure past the restart budget, preemption,
-a retried task) has a checkpoint folder holding its run id; running it again continues
-the same run from the latest checkpoint instead of starting a second one.
+A job is identified by its key: a hash of what computes the model (Config.identity: the
+shard, task, model, optim and train sections) and the data version; how it runs (the
+runtime section) is not part of it. A job that stopped before finishing (worker failure
+past the restart budget, preemption, a retried task) has a job folder holding its run
+id; running it again, on any world size, continues the same run from the latest
+checkpoint instead of starting a second one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from training.atomic import write_json
 from training.config import Config
+from training.project import JobDir
 from training.tracking import (
     FLOW_RUN_ENV,
     TAG_DATA_VERSION,
@@ -30,19 +33,16 @@ from training.tracking import (
     git_commit,
 )
 
-RUN_FILE = "run.json"
-COMPLETE_FILE = "COMPLETE"
-
 
 def job_key(cfg: Config, data_version: str) -> str:
-    identity = {"train": cfg.train.model_dump(), "data_version": data_version}
+    identity = {**cfg.identity(), "data_version": data_version}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
 class JobRun:
     run_id: str
-    checkpoint_dir: Path
+    job_dir: JobDir
     resumed: bool
 
 
@@ -51,16 +51,16 @@ def open_job_run(
 ) -> JobRun:
     """Resume the unfinished run of this job, or start a fresh one."""
     key = job_key(cfg, data_version)
-    job_dir = checkpoints / key
-    run_file = job_dir / RUN_FILE
+    job_dir = JobDir(checkpoints / key)
     mlflow_client = client(tracking_uri)
-    if run_file.is_file() and not (job_dir / COMPLETE_FILE).exists():
-        run_id = json.loads(run_file.read_text())["run_id"]
+    if job_dir.run_file.is_file() and not job_dir.complete_marker.exists():
+        run_id = json.loads(job_dir.run_file.read_text())["run_id"]
         mlflow_client.update_run(run_id, status="RUNNING")
+        log_runtime(mlflow_client, run_id, cfg)
         return JobRun(run_id, job_dir, resumed=True)
-    if job_dir.exists():  # a finished job asked to run again starts from scratch
-        shutil.rmtree(job_dir)
-    job_dir.mkdir(parents=True)
+    if job_dir.path.exists():  # a finished job asked to run again starts from scratch
+        shutil.rmtree(job_dir.path)
+    job_dir.path.mkdir(parents=True)
 
     experiment_id = ensure_experiment(
         tracking_uri,
@@ -77,11 +77,29 @@ def open_job_run(
     run_id = run.info.run_id
     from mlflow.entities import Param
 
-    params = [Param(k, str(v)) for k, v in cfg.flat().items()]
+    # Params are what defines the run; how it ran (runtime) may change between attempts
+    # of the same job, so it goes into tags, set again on every attempt.
+    params = [Param(k, str(v)) for k, v in cfg.flat().items() if not k.startswith(RUNTIME_PREFIX)]
     mlflow_client.log_batch(run_id, params=params)
+    log_runtime(mlflow_client, run_id, cfg)
     log_dataset(mlflow_client, run_id, cfg, root, data_version)
-    write_json(run_file, {"run_id": run_id})
+    write_json(job_dir.run_file, {"run_id": run_id})
     return JobRun(run_id, job_dir, resumed=False)
+
+
+RUNTIME_PREFIX = "runtime."
+
+
+def log_runtime(mlflow_client, run_id: str, cfg: Config) -> None:
+    """How this attempt runs, as `gradline.runtime.<key>` tags (the latest attempt's)."""
+    from mlflow.entities import RunTag
+
+    tags = [
+        RunTag(f"gradline.{k}", str(v))
+        for k, v in cfg.flat().items()
+        if k.startswith(RUNTIME_PREFIX)
+    ]
+    mlflow_client.log_batch(run_id, tags=tags)
 
 
 def log_dataset(mlflow_client, run_id: str, cfg: Config, root: Path, data_version: str) -> None:
@@ -108,30 +126,8 @@ def log_dataset(mlflow_client, run_id: str, cfg: Config, root: Path, data_versio
 
 
 def mark_complete(job: JobRun) -> None:
-    (job.checkpoint_dir / COMPLETE_FILE).write_text("")
+    job.job_dir.complete_marker.write_text("")
 
 
 def set_status(tracking_uri: str, run_id: str, status: str) -> None:
     client(tracking_uri).set_terminated(run_id, status=status)
-
-
-def log_final_model(tracking_uri: str, run_id: str, model, example) -> str:
-    """Log the unwrapped model with the pytorch flavor and a signature; return its URI."""
-    import torch
-    from mlflow.models import infer_signature
-
-    import mlflow
-
-    with torch.no_grad():
-        output = model(torch.from_numpy(example)).numpy()
-    mlflow.set_tracking_uri(tracking_uri)
-    with mlflow.start_run(run_id=run_id):
-        info = mlflow.pytorch.log_model(
-            model,
-            name="model",
-            signature=infer_signature(example, output),
-            input_example=example,
-            # Given explicitly: inferring requirements costs seconds and guesses wrong.
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-        )
-    return info.model_uri

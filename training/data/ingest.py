@@ -2,7 +2,8 @@
 
 Streams chunk by chunk. Outputs are written aside and swapped in only when the whole
 input has been read and accepted, so on any failure data/raw/ and data/quarantine/ stay
-exactly as they were.
+exactly as they were. Until then data/raw/ still holds the previous version, whose schema
+metadata tells validation what the features were (to report a change of them).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training.atomic import atomic_dir, write_json
-from training.config import DataConfig
-from training.data.sources import open_chunks
+from training.config import TEXT_SOURCES, DataConfig
+from training.data.sources import RawLayout, open_chunks
+from training.data.text import TextReport, ingest_text
 from training.data.validate import QUARANTINE_SCHEMA, ValidationReport, Validator
 from training.errors import DataError
 from training.progress import Progress
@@ -50,6 +52,17 @@ class _RollingParquet:
             self._writer = None
 
 
+def previous_layout(raw_dir: Path) -> RawLayout | None:
+    """The layout of the table snapshot in `raw_dir`, if it holds a readable one."""
+    parts = sorted(raw_dir.glob("part-*.parquet"))
+    if not parts:
+        return None
+    try:
+        return RawLayout.of(pq.read_schema(parts[0]))
+    except (pa.ArrowException, OSError, DataError, ValueError):
+        return None  # not a table snapshot we wrote: nothing to compare with
+
+
 def _expected_rows(cfg: DataConfig) -> int | None:
     """Rows the source will yield, where known without reading it (for progress only)."""
     if cfg.source != "synthetic":
@@ -58,15 +71,27 @@ def _expected_rows(cfg: DataConfig) -> int | None:
 
 
 def ingest(
-    cfg: DataConfig, root: Path, raw_dir: Path, quarantine_dir: Path, report_path: Path
-) -> ValidationReport:
-    validator = Validator(cfg)
+    cfg: DataConfig,
+    root: Path,
+    raw_dir: Path,
+    quarantine_dir: Path,
+    report_path: Path,
+    *,
+    task: str = "classification",
+) -> ValidationReport | TextReport:
+    """Validate the source and snapshot it into `raw_dir`. Labels follow `task`:
+    classification keeps integer classes, regression float targets."""
+    if cfg.source in TEXT_SOURCES:  # documents and a tokenizer, not rows
+        return ingest_text(cfg, root, raw_dir, quarantine_dir, report_path)
+    # Read before anything is written: the snapshot this ingest replaces, to report a
+    # change of the table's features between data versions.
+    validator = Validator(cfg, task, previous=previous_layout(raw_dir))
     progress = Progress(f"ingest {cfg.source}", _expected_rows(cfg), "rows")
     with progress, atomic_dir(raw_dir) as raw_stage, atomic_dir(quarantine_dir) as q_stage:
         raw = _RollingParquet(raw_stage, ROWS_PER_RAW_FILE)
         quarantine = pq.ParquetWriter(q_stage / QUARANTINE_FILE, QUARANTINE_SCHEMA)
         try:
-            for chunk in open_chunks(cfg, root):
+            for chunk in open_chunks(cfg, root, task):
                 accepted, rejected = validator.process(chunk)
                 if accepted.num_rows:
                     raw.write(accepted)

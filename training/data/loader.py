@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +23,9 @@ import torch.utils.data
 from training.data.shards import ShardInfo
 from training.data.sources import FEATURES, LABEL
 from training.errors import DataError
+
+if TYPE_CHECKING:
+    from training.data.tokens import TokenReader
 
 LOADER_STATE_VERSION = 1
 # Batches of at most SMALL_BATCH_BYTES are gathered in groups of up to SMALL_GROUP_BYTES.
@@ -68,7 +72,8 @@ class ShardReader:
     @property
     def row_bytes(self) -> int:
         """Bytes of one row as the loader delivers it (features + label)."""
-        return self._view(0)[0].shape[1] * 4 + 8
+        features, labels = self._view(0)
+        return features.shape[1] * features.itemsize + labels.itemsize
 
     def open_all(self) -> None:
         """Map every shard now (mapping reads nothing). The first map in a process pays
@@ -110,8 +115,10 @@ class ShardReader:
         rows = np.sort(indices)
         bounds = np.searchsorted(rows, self._offsets)
         first_shard = int(np.searchsorted(self._offsets, rows[0], side="right") - 1)
-        features = np.empty((len(rows), self._view(first_shard)[0].shape[1]), dtype=np.float32)
-        labels = np.empty(len(rows), dtype=np.int64)
+        first_x, first_y = self._view(first_shard)
+        features = np.empty((len(rows), first_x.shape[1]), dtype=np.float32)
+        # Labels keep the shards' type: int64 classes, float32 regression targets.
+        labels = np.empty(len(rows), dtype=first_y.dtype)
         for shard_id in np.flatnonzero(bounds[1:] - bounds[:-1]).tolist():
             start, stop = bounds[shard_id], bounds[shard_id + 1]
             local = rows[start:stop] - self._offsets[shard_id]
@@ -154,13 +161,21 @@ class _RankEpoch(torch.utils.data.IterableDataset):
     across the fork).
     """
 
-    def __init__(self, shards: list[ShardInfo], loader: dict, epoch: int, start: int) -> None:
+    def __init__(
+        self,
+        shards: list[ShardInfo],
+        loader: dict,
+        epoch: int,
+        start: int,
+        context: int | None = None,
+    ) -> None:
         self.shards, self.loader, self.epoch, self.start = shards, loader, epoch, start
+        self.context = context  # token windows' length; None for tables
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        loader = RankLoader(ShardReader(self.shards), **self.loader)
+        loader = RankLoader(make_reader(self.shards, self.context), **self.loader)
         for x, y in loader.batches(self.epoch, self.start + worker, every=workers):
             yield torch.from_numpy(x), torch.from_numpy(y)
 
@@ -240,14 +255,33 @@ class RankLoader:
             "seed": self.seed,
         }
         yield from torch.utils.data.DataLoader(
-            _RankEpoch(self.reader.shards, loader, epoch, start),
+            _RankEpoch(
+                self.reader.shards, loader, epoch, start, getattr(self.reader, "context", None)
+            ),
             batch_size=None,
             num_workers=workers,
             pin_memory=pin_memory,
         )
 
 
-def open_reader(shard_dir: Path, manifest: dict, split: str) -> ShardReader:
+def make_reader(shards: list[ShardInfo], context: int | None = None) -> ShardReader | TokenReader:
+    """A reader of table rows, or of token windows of `context` tokens when it is given."""
+    if context is None:
+        return ShardReader(shards)
+    from training.data.tokens import TokenReader
+
+    return TokenReader(shards, context)
+
+
+def open_reader(
+    shard_dir: Path, manifest: dict, split: str, context: int | None = None
+) -> ShardReader | TokenReader:
+    """The reader for the manifest's kind; token shards need the model's `context`."""
     from training.data.shards import split_shards
 
-    return ShardReader(split_shards(shard_dir, manifest, split))
+    shards = split_shards(shard_dir, manifest, split)
+    if manifest.get("kind") != "tokens":
+        return ShardReader(shards)
+    if context is None:
+        raise ValueError("token shards are read as windows: pass the model's context length")
+    return make_reader(shards, context)

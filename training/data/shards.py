@@ -3,7 +3,8 @@
 A row's split is a pure function of its key (a stable hash), so it never moves when rows
 are added. Shards are uncompressed, one record batch each, so readers can memory-map
 them and view columns without a copy. `manifest.json` describes everything a reader
-needs and lets it verify what it reads.
+needs and lets it verify what it reads, and carries the train split's statistics that
+standardize table features (and regression targets) inside the model.
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ import pyarrow.parquet as pq
 from training.atomic import atomic_dir, write_json
 from training.config import ShardConfig
 from training.data.hashing import unit_interval
-from training.data.sources import ROW_KEY, classes_of, shape_of
+from training.data.sources import FEATURES, LABEL, ROW_KEY, RawLayout
 from training.errors import DataError
 from training.progress import Progress
 
 SPLITS = ("train", "val", "test")
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
+# A standard deviation below this is a constant column: it is divided by 1 instead, so
+# standardizing never blows a constant up into noise.
+MIN_STD = 1e-6
 _SPLIT_SALT = 0x5EED_5B11
 
 
@@ -45,6 +49,55 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+class RunningMoments:
+    """Mean and standard deviation per column, merged batch by batch (Chan et al.'s
+    parallel update) in float64, so a split of any size streams through once."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.mean: np.ndarray | None = None
+        self.m2: np.ndarray | None = None  # sum of squared deviations from the mean
+
+    def add(self, values: np.ndarray) -> None:
+        """Rows of `values` (rows, columns) join the statistics."""
+        if not len(values):
+            return
+        batch = np.asarray(values, dtype=np.float64)
+        n = len(batch)
+        mean = batch.mean(axis=0)
+        m2 = np.square(batch - mean).sum(axis=0)
+        if self.mean is None or self.m2 is None:
+            self.count, self.mean, self.m2 = n, mean, m2
+            return
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean = self.mean + delta * (n / total)
+        self.m2 = self.m2 + m2 + np.square(delta) * (self.count * n / total)
+        self.count = total
+
+    def result(self) -> tuple[list[float], list[float]]:
+        """(mean, std) per column; the population std, floored at MIN_STD to 1."""
+        if self.mean is None or self.m2 is None:
+            raise ValueError("no rows were added")
+        std = np.sqrt(self.m2 / self.count)
+        return self.mean.tolist(), np.where(std < MIN_STD, 1.0, std).tolist()
+
+
+def _train_statistics(
+    table: pa.Table,
+    layout: RawLayout,
+    features: RunningMoments | None,
+    labels: RunningMoments | None,
+) -> None:
+    """Feed one batch of train rows to the running statistics."""
+    if features is not None:
+        column = table.column(FEATURES).combine_chunks()
+        flat = column.flatten().to_numpy(zero_copy_only=False)
+        features.add(flat.reshape(-1, layout.width))
+    if labels is not None:
+        labels.add(table.column(LABEL).to_numpy().reshape(-1, 1))
 
 
 def _raw_files(raw_dir: Path) -> list[Path]:
@@ -99,8 +152,19 @@ def write_shards(
     cfg: ShardConfig, raw_dir: Path, out_dir: Path, data_version: str, batch_rows: int = 65536
 ) -> dict:
     """Split and shard `raw_dir` into `out_dir` (replaced whole, only on success)."""
+    from training.data.text import is_text_snapshot
+
+    if is_text_snapshot(raw_dir):  # documents: tokenized into token shards instead
+        from training.data.tokens import write_token_shards
+
+        return write_token_shards(cfg, raw_dir, out_dir, data_version)
     files = _raw_files(raw_dir)
     schema = pq.read_schema(files[0])
+    layout = RawLayout.of(schema)
+    kind = "table" if len(layout.feature_shape) == 1 else "image"
+    # Tables are standardized inside the model; images are left as they are.
+    feature_moments = RunningMoments() if kind == "table" else None
+    label_moments = RunningMoments() if layout.label_type == "float32" else None
     target = max(1, int(cfg.target_shard_mb * 2**20))
     rows_in = sum(pq.ParquetFile(path).metadata.num_rows for path in files)
     with atomic_dir(out_dir) as staging, Progress("shard", rows_in, "rows") as progress:
@@ -112,7 +176,10 @@ def write_shards(
                 keys = table.column(ROW_KEY).to_numpy()
                 codes = split_codes(keys, cfg.val_fraction, cfg.test_fraction)
                 for code, writer in enumerate(writers):
-                    writer.add(table.filter(pa.array(codes == code)))
+                    rows = table.filter(pa.array(codes == code))
+                    writer.add(rows)
+                    if writer.name == "train":
+                        _train_statistics(rows, layout, feature_moments, label_moments)
                 total += table.num_rows
                 progress.advance(table.num_rows)
         for writer in writers:
@@ -126,12 +193,24 @@ def write_shards(
             "version": MANIFEST_VERSION,
             "data_version": data_version,
             "schema": {f.name: str(f.type) for f in schema},
-            "feature_shape": list(shape_of(schema)),
-            "num_classes": classes_of(schema),
+            "kind": kind,
+            "feature_shape": list(layout.feature_shape),
+            "num_classes": layout.num_classes,
+            "label_type": layout.label_type,
+            "feature_names": list(layout.feature_names) if layout.feature_names else None,
+            "feature_stats": _stats(feature_moments),
+            "label_stats": _stats(label_moments, scalar=True),
             "splits": {w.name: {"rows": w.rows, "shards": w.shards} for w in writers},
         }
         write_json(staging / MANIFEST, manifest)
     return manifest
+
+
+def _stats(moments: RunningMoments | None, scalar: bool = False) -> dict[str, Any] | None:
+    if moments is None:
+        return None
+    mean, std = moments.result()
+    return {"mean": mean[0], "std": std[0]} if scalar else {"mean": mean, "std": std}
 
 
 def read_manifest(shard_dir: Path) -> dict[str, Any]:

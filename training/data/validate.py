@@ -1,10 +1,14 @@
 """Validation: every input row is accepted (normalized) or rejected with a reason.
 
-Problems with a whole file (missing, extra or wrongly typed columns) always fail with a
-message naming the file and the columns. Problems with rows (nulls, NaN/Inf, labels out
-of range, ragged tensors, duplicates) fail too, or, with `data.on_invalid: quarantine`,
-send the rows aside with their reason. Either way the counts add up:
-rows in = rows accepted + rows quarantined.
+Problems with a whole file (missing or wrongly typed columns, features that changed since
+the previous data version) always fail with a message naming the file and the columns.
+Problems with rows (nulls, NaN/Inf, labels that are not classes, ragged tensors,
+duplicates) fail too, or, with `data.on_invalid: quarantine`, send the rows aside with
+their reason. Either way the counts add up: rows in = rows accepted + rows quarantined.
+
+Labels follow the task: classes become int64 in 0..num_classes-1, regression targets
+float32. A float column of whole numbers holds classes too: pandas writes integer labels
+as floats as soon as one of them is missing.
 """
 
 from __future__ import annotations
@@ -20,11 +24,27 @@ import pyarrow.compute as pc
 
 from training.config import DataConfig
 from training.data.hashing import content_keys, keys_from_column
-from training.data.sources import FEATURES, LABEL, ROW_KEY, SourceChunk, classes_of, shape_of
+from training.data.sources import (
+    BUILTIN_SOURCES,
+    FEATURES,
+    LABEL,
+    LABEL_TYPES,
+    ROW_KEY,
+    USER_TABLE_SOURCES,
+    RawLayout,
+    SourceChunk,
+)
 from training.data.sources import to_table as normalized_table
-from training.errors import DataError
+from training.errors import ConfigError, DataError
 
-REASONS = ("null value", "ragged tensor shape", "NaN or Inf", "label out of range", "duplicate")
+REASONS = (
+    "null value",
+    "ragged tensor shape",
+    "NaN or Inf",
+    "label not an integer",
+    "label out of range",
+    "duplicate",
+)
 QUARANTINE_SCHEMA = pa.schema(
     [
         pa.field("origin", pa.string()),
@@ -36,14 +56,22 @@ QUARANTINE_SCHEMA = pa.schema(
 HINTS = {
     "null value": "fill or drop the missing values",
     "ragged tensor shape": "every value of the tensor column needs data.feature_shape elements",
-    "NaN or Inf": "replace non-finite feature values",
+    "NaN or Inf": "replace non-finite values",
+    "label not an integer": "classes are whole numbers 0..data.num_classes-1; fix the labels, "
+    "or set task.type: regression to predict a number",
     "label out of range": "labels must lie in 0..data.num_classes-1",
     "duplicate": "remove repeated rows, or set data.duplicates: keep",
 }
 
 
 def _is_numeric(dtype: pa.DataType) -> bool:
-    return pa.types.is_integer(dtype) or pa.types.is_floating(dtype)
+    """A number column; an all-null column (an empty CSV column) counts, its rows are
+    then rejected one by one as missing."""
+    return pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_null(dtype)
+
+
+def _quoted(names) -> str:
+    return ", ".join(map(repr, names))
 
 
 @dataclass
@@ -53,12 +81,18 @@ class ValidationReport:
     rows_quarantined: int = 0
     reasons: Counter = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=dict)
+    # Columns of the input that are neither features, label nor key (with features
+    # listed in data.feature_columns or data.tensor_column), in the order first seen.
+    ignored_columns: list[str] = field(default_factory=list)
 
     def add_rejected(self, reason: str, where: str) -> None:
         self.reasons[reason] += 1
         shown = self.examples.setdefault(reason, [])
         if len(shown) < 3:
             shown.append(where)
+
+    def add_ignored(self, columns: list[str]) -> None:
+        self.ignored_columns += [c for c in columns if c not in self.ignored_columns]
 
     def describe(self) -> str:
         lines = [f"{self.rows_in} rows read, {sum(self.reasons.values())} invalid:"]
@@ -74,6 +108,7 @@ class ValidationReport:
             "rows_accepted": self.rows_accepted,
             "rows_quarantined": self.rows_quarantined,
             "invalid_by_reason": dict(sorted(self.reasons.items())),
+            "ignored_columns": list(self.ignored_columns),
         }
 
 
@@ -85,30 +120,104 @@ class ColumnPlan:
     key: str | None
     feature_columns: tuple[str, ...] | None  # several numeric columns, or
     tensor: str | None  # one list column
-    num_classes: int
+
+
+def schema_change(previous: RawLayout, current: RawLayout) -> str | None:
+    """What changed between two versions of a table whose features are inferred, and how
+    to accept it; None when nothing did."""
+    old, new = previous.feature_names or (), current.feature_names or ()
+    added = [c for c in new if c not in old]
+    removed = [c for c in old if c not in new]
+    changes = []
+    if added:
+        changes.append(f"column(s) added: {_quoted(added)}")
+    if removed:
+        changes.append(f"column(s) removed: {_quoted(removed)}")
+    if not added and not removed and old != new:
+        changes.append(f"columns reordered: {_quoted(old)} -> {_quoted(new)}")
+    if previous.feature_shape != current.feature_shape and not changes:
+        changes.append(
+            f"feature shape {list(previous.feature_shape)} -> {list(current.feature_shape)}"
+        )
+    if previous.label_type != current.label_type:
+        changes.append(
+            f"label type {previous.label_type} -> {current.label_type} (task.type changed)"
+        )
+    if not changes:
+        return None
+    accept = f"set data.feature_columns to {json.dumps(list(new))} to train on this version"
+    if old and not removed and added:
+        accept += f", or to {json.dumps(list(old))} to keep the previous features"
+    return (
+        f"the features changed since the previous data version: {'; '.join(changes)}. "
+        "A model trained on the previous version cannot take these rows. To accept the "
+        f"change, {accept}: with the features listed, other columns are ignored and ingest "
+        "no longer compares the table with the previous version"
+    )
 
 
 class Validator:
-    def __init__(self, cfg: DataConfig) -> None:
+    def __init__(
+        self, cfg: DataConfig, task: str = "classification", previous: RawLayout | None = None
+    ) -> None:
+        if task not in LABEL_TYPES:
+            raise ConfigError(
+                f"task.type {task} does not fit data.source {cfg.source}: tables and images "
+                f"train {' or '.join(LABEL_TYPES)}"
+            )
         self.cfg = cfg
-        self.builtin = cfg.source in ("digits", "synthetic")
-        self.shape: tuple[int, ...] | None = (
-            tuple(cfg.feature_shape) if cfg.feature_shape else None
-        )
-        self.num_classes: int | None = cfg.num_classes
+        self.builtin = cfg.source in BUILTIN_SOURCES
+        self.label_type = LABEL_TYPES[task]
+        self.previous = previous  # the layout of the snapshot this ingest replaces
+        self.shape: tuple[int, ...] | None = tuple(cfg.feature_shape) if cfg.feature_shape else None
+        self.num_classes: int | None = cfg.num_classes if task == "classification" else None
+        if task == "classification" and not self.builtin and self.num_classes is None:
+            raise ConfigError(
+                f"data.num_classes is required to classify a {cfg.source} table: labels are "
+                "checked against 0..num_classes-1 (or set task.type: regression)"
+            )
+        self.feature_names: tuple[str, ...] | None = None
         self.report = ValidationReport()
         self._seen: set[int] = set()
         self._first_plan: tuple[str, ColumnPlan] | None = None
 
+    @property
+    def layout(self) -> RawLayout:
+        """The normalized table's layout (once the first chunk has fixed the shape)."""
+        if self.shape is None:
+            raise RuntimeError("the layout is known only after the first chunk with a row")
+        return RawLayout(
+            self.cfg.source,
+            self.shape,
+            self.label_type,
+            self.num_classes,
+            self.feature_names,
+        )
+
     # ---- file level -------------------------------------------------------------------
+    def _plan_builtin(self, schema: pa.Schema) -> ColumnPlan:
+        layout = RawLayout.of(schema)
+        if layout.label_type != self.label_type:
+            fits = next(t for t, kind in LABEL_TYPES.items() if kind == layout.label_type)
+            raise ConfigError(
+                f"data.source {self.cfg.source} is a {fits} data set; set task.type: {fits}"
+            )
+        self.shape, self.num_classes = layout.feature_shape, layout.num_classes
+        self.feature_names = layout.feature_names
+        return ColumnPlan(LABEL, ROW_KEY, None, FEATURES)
+
     def plan(self, origin: str, schema: pa.Schema) -> ColumnPlan:
         if self.builtin:
-            self.shape = shape_of(schema)
-            self.num_classes = classes_of(schema)
-            return ColumnPlan(LABEL, ROW_KEY, None, FEATURES, self.num_classes)
+            return self._plan_builtin(schema)
         cfg = self.cfg
         names = schema.names
         problems: list[str] = []
+        repeated = sorted({c for c in names if names.count(c) > 1})
+        if repeated:
+            raise DataError(
+                f"{origin}: column name(s) repeated: {_quoted(repeated)}; every column "
+                "needs its own name"
+            )
         wanted = [cfg.label_column] + ([cfg.key_column] if cfg.key_column else [])
         if cfg.tensor_column:
             wanted.append(cfg.tensor_column)
@@ -117,14 +226,14 @@ class Validator:
         missing = [c for c in wanted if c not in names]
         if missing:
             problems.append(
-                f"missing column(s) {', '.join(map(repr, missing))}; the file has "
+                f"missing column(s) {_quoted(missing)}; the file has "
                 f"{', '.join(names)} (set data.label_column / data.feature_columns / "
                 "data.tensor_column / data.key_column to match)"
             )
-        elif not pa.types.is_integer(schema.field(cfg.label_column).type):
+        elif not _is_numeric(label_type := schema.field(cfg.label_column).type):
             problems.append(
-                f"label column {cfg.label_column!r} has type "
-                f"{schema.field(cfg.label_column).type}; labels must be integers"
+                f"label column {cfg.label_column!r} has type {label_type}; labels must be "
+                + ("numbers" if self.num_classes is None else "whole numbers (classes)")
             )
         used = {cfg.label_column, cfg.key_column}
         features: tuple[str, ...] | None = None
@@ -149,52 +258,75 @@ class Validator:
             ]
             if wrong:
                 problems.append(
-                    f"feature column(s) not numeric: {', '.join(wrong)}; "
-                    "every feature value must be a number"
+                    f"feature column(s) not numeric: {', '.join(wrong)}; every feature "
+                    "value must be a number"
+                    + (
+                        ""
+                        if cfg.feature_columns
+                        else ", or list the features to use in "
+                        "data.feature_columns (other columns are then ignored)"
+                    )
                 )
             if not features:
                 problems.append("no feature columns; set data.feature_columns")
-        extra = [c for c in names if c not in used]
-        if extra:
-            problems.append(
-                f"unexpected column(s) {', '.join(map(repr, extra))}; list them in "
-                "data.feature_columns or remove them from the file"
-            )
+            elif cfg.feature_shape and math.prod(cfg.feature_shape) != len(features):
+                problems.append(
+                    f"data.feature_shape {cfg.feature_shape} holds "
+                    f"{math.prod(cfg.feature_shape)} values, but there are {len(features)} "
+                    "feature columns"
+                )
         if problems:
             raise DataError(f"{origin}: " + "; ".join(problems))
-        plan = ColumnPlan(cfg.label_column, cfg.key_column, features, cfg.tensor_column,
-                          cfg.num_classes or 0)
+        plan = ColumnPlan(cfg.label_column, cfg.key_column, features, cfg.tensor_column)
         if self._first_plan is None:
             self._first_plan = (origin, plan)
+            if features is not None:
+                self.feature_names = features
+                self.shape = self.shape or (len(features),)
+                self._check_schema_change(origin)
         elif self._first_plan[1] != plan:
             raise DataError(
                 f"{origin}: columns differ from {self._first_plan[0]}; every file of the "
                 "table needs the same columns"
             )
+        # Features named in the config (or one tensor column): the rest is not ours.
+        self.report.add_ignored([c for c in names if c not in used])
         return plan
+
+    def _check_schema_change(self, origin: str) -> None:
+        """With features inferred ("all but label and key"), a column that appears or goes
+        away between data versions would silently change what models take as input."""
+        inferred = self.cfg.feature_columns is None and self.cfg.tensor_column is None
+        previous = self.previous
+        if not inferred or previous is None or previous.source not in USER_TABLE_SOURCES:
+            return
+        if change := schema_change(previous, self.layout):
+            raise DataError(f"{origin}: {change}")
 
     # ---- row level --------------------------------------------------------------------
     def _features(self, table: pa.Table, plan: ColumnPlan, bad: np.ndarray, reason: list):
         n = table.num_rows
         if plan.feature_columns is not None:
             columns = [table.column(c) for c in plan.feature_columns]
-            self.shape = self.shape or (len(columns),)
             null = np.zeros(n, dtype=bool)
             for column in columns:
                 null |= column.is_null().to_numpy(zero_copy_only=False)
             _mark(bad, reason, null, "null value")
-            matrix = np.column_stack(
-                [c.to_numpy(zero_copy_only=False).astype(np.float32) for c in columns]
+            # An unsafe cast: integers beyond 2**24 round, as float32 must; overflow
+            # becomes Inf and is rejected as such below. Nulls become NaN.
+            return np.column_stack(
+                [c.cast(pa.float32(), safe=False).to_numpy(zero_copy_only=False) for c in columns]
             )
-            return matrix
         column = table.column(plan.tensor).combine_chunks()
         fixed = pa.types.is_fixed_size_list(column.type)
         if fixed and self.shape and column.type.list_size == math.prod(self.shape):
             values = column.flatten()
             if column.null_count == 0 and values.null_count == 0:
                 # Already the right shape and complete: view it, no per-row work.
-                return values.to_numpy(zero_copy_only=False).reshape(n, -1).astype(
-                    np.float32, copy=False
+                return (
+                    values.to_numpy(zero_copy_only=False)
+                    .reshape(n, -1)
+                    .astype(np.float32, copy=False)
                 )
         _mark(bad, reason, column.is_null().to_numpy(zero_copy_only=False), "null value")
         lengths = pc.fill_null(pc.list_value_length(column), -1).to_numpy()
@@ -208,13 +340,37 @@ class Validator:
         if good.any():
             values = pc.list_flatten(column.filter(pa.array(good)))
             inner_null = values.is_null().to_numpy(zero_copy_only=False).reshape(-1, width)
-            matrix[good] = values.to_numpy(zero_copy_only=False).astype(np.float32).reshape(
-                -1, width
+            matrix[good] = (
+                values.cast(pa.float32(), safe=False)
+                .to_numpy(zero_copy_only=False)
+                .reshape(-1, width)
             )
             null_rows = np.zeros(n, dtype=bool)
             null_rows[good] = inner_null.any(axis=1)
             _mark(bad, reason, null_rows, "null value")
         return matrix
+
+    def _labels(self, column: pa.ChunkedArray, bad: np.ndarray, reason: list) -> np.ndarray:
+        column = column.combine_chunks()
+        if self.num_classes is None:  # regression: any finite number
+            _mark(bad, reason, column.is_null().to_numpy(zero_copy_only=False), "null value")
+            values = column.cast(pa.float32(), safe=False).to_numpy(zero_copy_only=False)
+            _mark(bad, reason, ~np.isfinite(values), "NaN or Inf")
+            return values
+        # Classes. A NaN in a float column is how pandas marks a missing label.
+        null = pc.is_null(column, nan_is_null=True).to_numpy(zero_copy_only=False)
+        _mark(bad, reason, null, "null value")
+        if pa.types.is_integer(column.type):
+            labels = pc.fill_null(column, -1).to_numpy().astype(np.int64)
+        else:
+            values = column.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+            whole = np.isfinite(values) & (np.floor(values) == values)
+            _mark(bad, reason, ~whole, "label not an integer")
+            # Compared as floats first: a huge value must not wrap around in the cast.
+            fits = whole & (values >= 0) & (values < self.num_classes)
+            labels = np.where(fits, values, -1).astype(np.int64)
+        _mark(bad, reason, (labels < 0) | (labels >= self.num_classes), "label out of range")
+        return labels
 
     def process(self, chunk: SourceChunk) -> tuple[pa.Table, pa.Table]:
         """Split one chunk into (normalized accepted rows, quarantine rows)."""
@@ -224,18 +380,16 @@ class Validator:
         bad = np.zeros(n, dtype=bool)
         reason: list[str | None] = [None] * n
         features = self._features(table, plan, bad, reason)
-        label_col = table.column(plan.label)
-        _mark(bad, reason, label_col.is_null().to_numpy(zero_copy_only=False), "null value")
-        labels = pc.fill_null(label_col, -1).to_numpy().astype(np.int64)
+        labels = self._labels(table.column(plan.label), bad, reason)
         _mark(bad, reason, ~np.isfinite(features).all(axis=1), "NaN or Inf")
-        classes = plan.num_classes or self.num_classes
-        _mark(bad, reason, (labels < 0) | (labels >= classes), "label out of range")
         if plan.key:
             key_col = table.column(plan.key).combine_chunks()
             _mark(bad, reason, key_col.is_null().to_numpy(zero_copy_only=False), "null value")
             keys = keys_from_column(pc.fill_null(key_col, 0) if key_col.null_count else key_col)
         else:
-            keys = content_keys(np.nan_to_num(features), labels)
+            # Float labels enter the key by their bits: casting would merge 1.2 and 1.7.
+            label_bits = labels.view(np.int32) if labels.dtype == np.float32 else labels
+            keys = content_keys(np.nan_to_num(features), label_bits)
         if self.cfg.duplicates == "reject":
             dup = np.zeros(n, dtype=bool)
             for i, key in enumerate(keys.tolist()):
@@ -247,11 +401,13 @@ class Validator:
         self.report.rows_in += n
         good = ~bad
         self.report.rows_accepted += int(good.sum())
-        if bad.any():
-            keys, features, labels = keys[good], features[good], labels[good]
-        accepted = normalized_table(keys, features.reshape(-1, *self.shape), labels, classes)
-        bad_rows = np.flatnonzero(bad)
-        quarantined = self._quarantine(chunk, bad_rows, reason, table)
+        if not good.any():  # nothing to keep (and perhaps no shape known yet)
+            accepted = pa.table({})
+        else:
+            if bad.any():
+                keys, features, labels = keys[good], features[good], labels[good]
+            accepted = normalized_table(keys, features, labels, self.layout)
+        quarantined = self._quarantine(chunk, np.flatnonzero(bad), reason, table)
         return accepted, quarantined
 
     def _quarantine(self, chunk, bad_rows, reason, table) -> pa.Table:

@@ -110,6 +110,17 @@ class Checkpointer:
             ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if asynchronous else None
         )
         self._pending = None
+        self.last_step: int | None = None
+        self.stall_seconds = 0.0
+
+    @classmethod
+    def for_rank(cls, topo, directory: Path, runtime, tracker) -> Checkpointer | NullCheckpointer:
+        """Rank 0 writes checkpoints (every rank holds the same replica); others don't."""
+        if not topo.is_main:
+            return NullCheckpointer()
+        return cls(
+            directory, runtime.keep_checkpoints, runtime.async_checkpoint, tracker.log_checkpoint
+        )
 
     def _write(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> Path:
         path = save_checkpoint(self.directory, step, state, self.keep)
@@ -118,15 +129,21 @@ class Checkpointer:
         return path
 
     def save(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> float:
+        """Checkpoint `step` (once: a second save of the same step is skipped)."""
         import time
 
+        if step == self.last_step:
+            return 0.0
         started = time.perf_counter()
         self.wait()
         if self._pool is None:
             self._write(step, state, metrics)
         else:
             self._pending = self._pool.submit(self._write, step, snapshot(state), dict(metrics))
-        return time.perf_counter() - started
+        self.last_step = step
+        stalled = time.perf_counter() - started
+        self.stall_seconds += stalled
+        return stalled
 
     def wait(self) -> None:
         """Block until the save in flight is on disk; re-raise its error if it failed."""
@@ -138,3 +155,15 @@ class Checkpointer:
         self.wait()
         if self._pool is not None:
             self._pool.shutdown()
+
+
+class NullCheckpointer:
+    """What ranks other than 0 hold: saving is rank 0's side effect."""
+
+    stall_seconds = 0.0
+
+    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        pass

@@ -1,4 +1,10 @@
-"""Topology and process-group lifecycle: the one place that touches torch.distributed setup."""
+"""Topology and process-group lifecycle: the one place that sets torch.distributed up.
+
+`Topology` is this worker's place in the job: global rank, world size, device, and its
+data-parallel coordinates (which share of each global batch it reads). Today every rank
+is its own data-parallel replica; tensor- and pipeline-parallel groups, whose ranks
+read the same rows, will give the same data-parallel coordinates to several ranks.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +16,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from training.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class DistContext:
-    """Rank, world size and device of this worker, built once and passed down."""
+class Topology:
+    """Rank, world size, device and data-parallel coordinates: built once, passed down."""
 
     rank: int
     world_size: int
@@ -30,8 +34,18 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def dp_rank(self) -> int:
+        """Which share of each global batch this rank reads."""
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        """How many shares each global batch is cut into."""
+        return self.world_size
+
     @classmethod
-    def from_env(cls, backend: str = "auto") -> DistContext:
+    def from_env(cls, backend: str = "auto") -> Topology:
         """Read the variables torch.distributed.elastic sets for each worker."""
         rank = int(os.environ.get("RANK", "0"))
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -40,23 +54,23 @@ class DistContext:
         if backend == "auto":
             backend = "nccl" if cuda else "gloo"
         if backend == "nccl" and not cuda:
-            raise ConfigError("train.backend=nccl needs CUDA GPUs; use gloo or auto on CPU")
+            raise ConfigError("runtime.backend=nccl needs CUDA GPUs; use gloo or auto on CPU")
         device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
         return cls(rank, world_size, local_rank, backend, device)
 
 
 @contextlib.contextmanager
-def process_group(ctx: DistContext, timeout_s: float = 300.0) -> Iterator[None]:
+def process_group(topo: Topology, timeout_s: float = 300.0) -> Iterator[None]:
     """Join the job's process group for the duration of the block, then leave it."""
-    if ctx.device.type == "cuda":
-        torch.cuda.set_device(ctx.device)
+    if topo.device.type == "cuda":
+        torch.cuda.set_device(topo.device)
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
-        backend=ctx.backend,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
+        backend=topo.backend,
+        rank=topo.rank,
+        world_size=topo.world_size,
         timeout=timeout,
-        store=_attempt_store(ctx, timeout),
+        store=_attempt_store(topo, timeout),
     )
     yield
     # Only on success. After an error, a graceful destroy can wait on a peer that is
@@ -65,7 +79,7 @@ def process_group(ctx: DistContext, timeout_s: float = 300.0) -> Iterator[None]:
     dist.destroy_process_group()
 
 
-def _attempt_store(ctx: DistContext, timeout: timedelta) -> dist.Store | None:
+def _attempt_store(topo: Topology, timeout: timedelta) -> dist.Store | None:
     """Under torch.distributed.elastic, the agent's store outlives a restart, and so do the
     keys the previous attempt's ranks published (their gloo addresses): a restarted rank
     could read a dead peer's address. A prefix per attempt keeps every attempt apart."""
@@ -74,7 +88,7 @@ def _attempt_store(ctx: DistContext, timeout: timedelta) -> dist.Store | None:
     store = dist.TCPStore(
         host_name=os.environ["MASTER_ADDR"],
         port=int(os.environ["MASTER_PORT"]),
-        world_size=ctx.world_size,
+        world_size=topo.world_size,
         is_master=False,
         timeout=timeout,
     )
@@ -82,20 +96,13 @@ def _attempt_store(ctx: DistContext, timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"gradline/attempt-{attempt}", store)
 
 
-def wrap_data_parallel(model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
-    """Synchronous data parallelism: gradients are all-reduced every backward pass."""
-    model.to(ctx.device)
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
-
-
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
-def broadcast_object(value: object, ctx: DistContext) -> object:
+def broadcast_object(value: object, topo: Topology) -> object:
     """Rank 0's value on every rank (e.g. which checkpoint to resume from)."""
-    box = [value if ctx.is_main else None]
+    box = [value if topo.is_main else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]

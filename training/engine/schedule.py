@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from training.config import TrainConfig
+from training.config import OptimConfig
 
 
-def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
     """Linear warmup to cfg.lr, then constant or cosine decay to min_lr_ratio * lr."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps

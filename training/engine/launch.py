@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from training.engine.health import clear, describe, read_beats, read_failures
+from training.engine.loop import TrainJob, worker_main
 from training.errors import CRASH_EXIT_CODE, PREEMPTED_EXIT_CODE, GradlineError
-from training.health import clear, describe, read_beats, read_failures
-from training.loop import HEARTBEATS, PREEMPT_FILE, TrainJob, worker_main
+from training.project import JobDir
 
 
 class TrainingFailed(GradlineError):
@@ -43,8 +44,8 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def _stop_requests_become_files(checkpoint_dir: Path) -> Iterator[None]:
-    request = checkpoint_dir / PREEMPT_FILE
+def _stop_requests_become_files(job_dir: JobDir) -> Iterator[None]:
+    request = job_dir.preempt_request
     request.unlink(missing_ok=True)
 
     def on_term(signum, _frame) -> None:
@@ -79,10 +80,10 @@ def launch_workers(job: TrainJob, world_size: int, max_restarts: int) -> dict[st
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    threads = str(job.config["train"]["threads_per_worker"])
+    threads = str(job.config["runtime"]["threads_per_worker"])
     os.environ.setdefault("OMP_NUM_THREADS", threads)
-    checkpoint_dir = Path(job.checkpoint_dir)
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    job_dir = JobDir(Path(job.job_dir))
+    job_dir.path.mkdir(parents=True, exist_ok=True)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -96,9 +97,9 @@ def launch_workers(job: TrainJob, world_size: int, max_restarts: int) -> dict[st
         # SIGTERM is ours (a graceful stop request), not the agent's (kill the workers).
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
     )
-    health_dir = checkpoint_dir / HEARTBEATS
+    health_dir = job_dir.health
     clear(health_dir)
-    with _stop_requests_become_files(checkpoint_dir):
+    with _stop_requests_become_files(job_dir):
         try:
             results = elastic_launch(config, worker_main)(job)
         except ChildFailedError as exc:
@@ -107,6 +108,6 @@ def launch_workers(job: TrainJob, world_size: int, max_restarts: int) -> dict[st
     if result.get("preempted"):
         raise Preempted(
             f"stopped on request at step {result['step']}; checkpoint saved in "
-            f"{checkpoint_dir}. Run the same job again to resume"
+            f"{job_dir.path}. Run the same job again to resume"
         )
     return result

@@ -12,7 +12,7 @@ from training.errors import ProjectError
 
 
 @dataclass(frozen=True)
-class ProjectPaths:
+class Project:
     root: Path
 
     @property
@@ -66,6 +66,50 @@ class ProjectPaths:
     @property
     def mlflow_dir(self) -> Path:
         return self.root / "mlflow"
+
+    @property
+    def tracking_uri(self) -> str:
+        from training.tracking import default_tracking_uri
+
+        return default_tracking_uri(self.root)
+
+    def config(self, overrides: list[str] | tuple[str, ...] = ()):
+        """params.yaml plus overrides, validated (training.config.load_config)."""
+        from training.config import load_config
+
+        return load_config(self.params, overrides)
+
+    def job(self, key: str) -> JobDir:
+        return JobDir(self.checkpoints / key)
+
+
+@dataclass(frozen=True)
+class JobDir:
+    """Every file of one training job: its checkpoints and the files its ranks and its
+    launcher share (tracking journal, heartbeats, stop request, run id)."""
+
+    path: Path
+
+    @property
+    def journal(self) -> Path:
+        return self.path / "tracking.jsonl"
+
+    @property
+    def health(self) -> Path:
+        return self.path / "health"
+
+    @property
+    def preempt_request(self) -> Path:
+        """The launcher creates it on SIGTERM; ranks see it at a control step and stop."""
+        return self.path / "PREEMPT"
+
+    @property
+    def run_file(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def complete_marker(self) -> Path:
+        return self.path / "COMPLETE"
 
 
 def find_project_root(start: Path | None = None) -> Path:

@@ -1,0 +1,79 @@
+"""What a model and an objective need to know about the data, read from the manifest.
+
+One small value passed to the model builder (input shape, classes, vocabulary, the
+statistics that standardize tables) and to the objective (label statistics, bytes per
+token), so neither of them reads manifest keys by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+DataKind = Literal["table", "image", "tokens"]
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    kind: DataKind
+    feature_shape: tuple[int, ...] = ()  # table/image: one example's shape
+    num_classes: int | None = None  # classification
+    vocab_size: int | None = None  # tokens
+    feature_mean: tuple[float, ...] | None = None  # table: train-split statistics
+    feature_std: tuple[float, ...] | None = None
+    label_mean: float | None = None  # regression: train-split statistics
+    label_std: float | None = None
+    feature_names: tuple[str, ...] | None = None  # table: the source's column names
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any]) -> DataSpec:
+        kind = manifest.get("kind")
+        if kind == "tokens":
+            return cls("tokens", vocab_size=int(manifest["vocab_size"]))
+        shape = tuple(int(d) for d in manifest["feature_shape"])
+        kind = kind or ("table" if len(shape) == 1 else "image")
+        features = manifest.get("feature_stats") or {}
+        labels = manifest.get("label_stats") or {}
+        names = manifest.get("feature_names")
+        return cls(
+            kind=kind,
+            feature_shape=shape,
+            num_classes=manifest.get("num_classes"),
+            feature_mean=tuple(features["mean"]) if features else None,
+            feature_std=tuple(features["std"]) if features else None,
+            label_mean=labels.get("mean"),
+            label_std=labels.get("std"),
+            feature_names=tuple(names) if names else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DataSpec:
+        tuples = ("feature_shape", "feature_mean", "feature_std", "feature_names")
+        fixed = {k: tuple(v) if k in tuples and v is not None else v for k, v in values.items()}
+        return cls(**fixed)
+
+
+def incompatibility(trained: DataSpec, trained_task: str, now: DataSpec, task: str) -> str | None:
+    """Why a model trained on `trained` data cannot score `now` data, or None if it can."""
+    if trained_task != task:
+        return f"it learned {trained_task}, the job now learns {task}"
+    if trained.kind != now.kind:
+        return f"it takes {trained.kind} data, the data is now {now.kind}"
+    if trained.feature_shape != now.feature_shape:
+        names_then, names_now = set(trained.feature_names or ()), set(now.feature_names or ())
+        change = ""
+        if names_then and names_now:
+            added, removed = sorted(names_now - names_then), sorted(names_then - names_now)
+            change = f" (added {added or 'none'}, removed {removed or 'none'})"
+        return (
+            f"it takes features of shape {list(trained.feature_shape)}, the data now has "
+            f"{list(now.feature_shape)}{change}"
+        )
+    if trained.num_classes != now.num_classes:
+        return f"it predicts {trained.num_classes} classes, the data now has {now.num_classes}"
+    if trained.vocab_size != now.vocab_size:
+        return f"its vocabulary has {trained.vocab_size} tokens, the data's {now.vocab_size}"
+    return None

@@ -1,0 +1,62 @@
+"""Instrumentation around the phases of a step: heartbeat, timing and fault injection.
+
+The loop wraps each phase in `with instruments.phase(name, step):` instead of threading
+heartbeat, timer and fault calls through the step. A phase records where the rank is
+(so a hang names it), adds its seconds to the interval's time breakdown, and, on entry
+to the data phase, gives injected faults (tests and drills) their chance to fire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+from training.engine.faults import FaultPlan
+from training.engine.health import SYNC, Heartbeat, mark_resumed
+from training.engine.timing import StepTimes
+from training.project import JobDir
+
+# The heartbeat's names for the timed phases; a rank seen in "sync" is waiting for peers.
+_BEAT = {"data_wait": "data", "sync_wait": SYNC, "checkpoint_stall": "checkpoint"}
+
+
+class Instruments:
+    def __init__(self, job_dir: JobDir, rank: int) -> None:
+        self.heartbeat = Heartbeat(job_dir.health, rank)
+        self.faults = FaultPlan.from_env(rank, job_dir.health)
+        self.times = StepTimes()
+        self._health = job_dir.health
+        # This attempt's time in steps (validation excluded) and steps: benchmarks read it.
+        self.loop_seconds, self.loop_steps = 0.0, 0
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int) -> Iterator[None]:
+        self.heartbeat.beat(step, _BEAT.get(name, name))
+        if name == "data_wait":
+            self.faults.at_step(step)
+        started = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - started
+        self.times.add(name, seconds)
+        self.loop_seconds += seconds
+
+    def move(self, seconds: float, source: str, target: str) -> None:
+        """Re-attribute time measured inside one phase to another (sync wait measured
+        within backward belongs to sync_wait, not compute)."""
+        self.times.add(source, -seconds)
+        self.times.add(target, seconds)
+
+    def collective(self, step: int) -> None:
+        """About to wait in a collective: a hang from here on is not this rank's fault."""
+        self.heartbeat.beat(step, SYNC)
+
+    def step_done(self) -> None:
+        self.times.steps += 1
+        self.loop_steps += 1
+
+    def resumed(self, step: int) -> None:
+        mark_resumed(self._health, step)
+
+    def close(self) -> None:
+        self.heartbeat.close()

@@ -1,0 +1,84 @@
+"""The loop's logging intervals: losses and time breakdown exchanged across ranks, logged
+by rank 0 through the tracker, stragglers named; validation metrics; the final result."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from training.engine.timing import StepTimes, find_stragglers, gather_times, interval_metrics
+from training.engine.topology import Topology, all_reduce_sum
+from training.tracking import system_metrics
+
+log = logging.getLogger("gradline.train")
+
+
+class IntervalLog:
+    def __init__(self, cfg, topo: Topology, setup, tracker, times: StepTimes) -> None:
+        self.cfg, self.topo, self.tracker, self.times = cfg, topo, tracker, times
+        self.losses: list[torch.Tensor] = []
+        self.last: dict[str, float] = {}  # the latest value of every metric
+        self.stragglers: dict[int, dict[str, float]] = {}
+        self.closed = 0  # intervals closed in this attempt
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss)
+
+    def close(self, step: int, lr: float, final: bool = False) -> None:
+        """Exchange losses and time breakdown; rank 0 logs them and names stragglers.
+        A collective: every rank calls it at the same steps (`final` only if needed)."""
+        if final and not self.losses:
+            return
+        topo, first = self.topo, step - len(self.losses) + 1
+        losses = all_reduce_sum(torch.stack(self.losses).double().cpu()) / topo.world_size
+        ranks = gather_times(self.times, topo.world_size)
+        self.tracker.log_series("train_loss", first, losses.tolist())
+        metrics = {"lr": lr, **interval_metrics(ranks)}
+        wall = max(r.per_step["wall"] for r in ranks)
+        metrics["samples_per_s"] = self.cfg.train.batch_size / wall if wall > 0 else 0.0
+        self.closed += 1
+        # The first interval of an attempt holds start-up effects (lazy allocations,
+        # cold caches, ranks starting apart): it says nothing about a slow rank.
+        suspects = find_stragglers(ranks, self.cfg.runtime.straggler_factor)
+        for rank, ratio in suspects if self.closed > 1 else []:
+            metrics[f"straggler_ratio/rank{rank}"] = ratio
+            seen = self.stragglers.setdefault(rank, {"intervals": 0, "worst_ratio": 0.0})
+            seen["intervals"] += 1
+            seen["worst_ratio"] = max(seen["worst_ratio"], ratio)
+            if topo.is_main:
+                log.warning("straggler: rank %d is busy %.2fx the median rank", rank, ratio)
+        if topo.is_main:
+            metrics.update(system_metrics())
+        self.tracker.log_metrics(metrics, step)
+        self.last.update(train_loss=losses[-1].item(), **metrics)
+        self.losses = []
+        self.times.reset()
+
+    def log_validation(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        metrics = {**metrics, "epoch": epoch}
+        self.tracker.log_metrics(metrics, step)
+        self.last.update(metrics)
+        if self.topo.is_main:
+            log.info("epoch %d step %d %s", epoch, step, metrics)
+
+    def finish(self) -> None:
+        if self.topo.is_main and self.stragglers:
+            summary = ", ".join(
+                f"rank {r} ({s['intervals']} intervals, up to {s['worst_ratio']:.2f}x median)"
+                for r, s in sorted(self.stragglers.items())
+            )
+            self.tracker.set_tag("gradline.stragglers", summary)
+
+    def result(self, step: int, instruments, stall_seconds: float) -> dict[str, Any]:
+        """Rank 0's summary of the job, for result.json and the benchmarks."""
+        return {
+            **{k: v for k, v in self.last.items() if "/" not in k},
+            "step": step,
+            "stragglers": {str(r): s for r, s in self.stragglers.items()},
+            # Step time of this attempt, validation excluded: what benchmarks compare.
+            "loop_seconds": instruments.loop_seconds,
+            "loop_steps": instruments.loop_steps,
+            "checkpoint_stall_seconds": stall_seconds,
+        }

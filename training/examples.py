@@ -1,0 +1,105 @@
+"""Ready-made workloads: `gradline example NAME` writes one into params.yaml.
+
+An example sets every key of the sections that say what is computed (data, task, model,
+optim, train: unmentioned keys go back to their defaults, so switching examples leaves
+nothing behind) plus the registered model's name, so different tasks never compete in
+one registry gate. How the job runs (runtime) stays the user's, but for the keys an
+example needs (e.g. a language model validates every few hundred steps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from training.config import Config, load_config, update_params_file
+from training.errors import ConfigError
+
+# Sections an example owns whole; `shard` keeps the user's split fractions.
+OWNED = ("data", "task", "model", "optim", "train")
+
+EXAMPLES: dict[str, dict[str, Any]] = {
+    "digits-mlp": {
+        "about": "8x8 digit images (scikit-learn, bundled), a two-layer MLP: the default",
+        "data": {"source": "digits"},
+        "task": {"type": "classification"},
+        "model": {"name": "mlp", "hidden": 128, "depth": 2, "dropout": 0.0},
+        "optim": {"lr": 0.003},
+        "train": {"epochs": 30, "batch_size": 64},
+        "registry": {"model_name": "gradline-digits"},
+    },
+    "digits-cnn": {
+        "about": "the same digits as images, a small ResNet-style CNN (>= 0.98 accuracy)",
+        "data": {"source": "digits"},
+        "task": {"type": "classification"},
+        "model": {"name": "cnn", "channels": 32, "blocks": 1, "stages": 2, "dropout": 0.0},
+        "optim": {"lr": 0.003, "weight_decay": 0.0005},
+        "train": {"epochs": 20, "batch_size": 64},
+        "registry": {"model_name": "gradline-digits-cnn"},
+    },
+    "diabetes-regression": {
+        "about": "scikit-learn's bundled diabetes table (442 rows), an MLP regressor",
+        "data": {"source": "diabetes"},
+        "task": {"type": "regression"},
+        "model": {"name": "mlp", "hidden": 32, "depth": 1, "dropout": 0.1},
+        "optim": {"lr": 0.003, "weight_decay": 0.01, "warmup_steps": 10},
+        "train": {"epochs": 60, "batch_size": 32},
+        "registry": {"model_name": "gradline-diabetes"},
+    },
+    "stdlib-gpt": {
+        "about": "a small GPT on the running Python's standard library source (bytes)",
+        "data": {"source": "stdlib", "max_bytes": 4_000_000, "tokenizer": "bytes"},
+        "task": {"type": "language_modeling"},
+        "model": {
+            "name": "gpt",
+            "layers": 4,
+            "heads": 4,
+            "width": 128,
+            "context": 128,
+            "dropout": 0.0,
+            "tied_embeddings": True,
+        },
+        "optim": {"lr": 0.002, "warmup_steps": 100, "weight_decay": 0.01},
+        "train": {"epochs": 1, "max_steps": 1500, "batch_size": 32},
+        "runtime": {"eval_every_steps": 500, "log_every_steps": 50},
+        "registry": {"model_name": "gradline-stdlib-gpt"},
+    },
+}
+
+
+def describe() -> str:
+    width = max(map(len, EXAMPLES))
+    return "\n".join(f"{name:<{width}}  {ex['about']}" for name, ex in EXAMPLES.items())
+
+
+def example_changes(name: str) -> dict[str, dict[str, Any]]:
+    """Section -> key -> value that the example writes: the owned sections whole."""
+    if name not in EXAMPLES:
+        raise ConfigError(
+            f"no example named {name!r}; examples: {', '.join(EXAMPLES)} "
+            "(`gradline example --list` describes them)"
+        )
+    example = EXAMPLES[name]
+    defaults = Config().model_dump()
+    changes = {}
+    for section in OWNED:
+        base = {} if section == "model" else defaults[section]
+        changes[section] = {**base, **example.get(section, {})}
+    for section in ("runtime", "registry"):
+        if section in example:
+            changes[section] = dict(example[section])
+    return changes
+
+
+def apply_example(params_path: Path, name: str) -> Config:
+    """Validate the example against params.yaml's other sections, then write it."""
+    changes = example_changes(name)
+    raw = load_config(params_path).model_dump()
+    for section, values in changes.items():
+        raw[section] = values if section in OWNED else {**raw[section], **values}
+    try:
+        config = Config.model_validate(raw)
+    except ValueError as exc:
+        raise ConfigError(f"example {name} does not validate with params.yaml: {exc}") from exc
+    update_params_file(params_path, changes, replace=frozenset({"model"}))
+    return config
