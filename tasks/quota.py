@@ -51,12 +51,12 @@ def ensure_limit(name: str, slots: int) -> int:
 
 def check_quota(cfg: Config) -> int:
     """Fail at once when the job needs more slots than the limit will ever grant."""
-    name, needed = cfg.orchestrate.device_limit, cfg.train.world_size
+    name, needed = cfg.orchestrate.device_limit, cfg.runtime.world_size
     size = ensure_limit(name, cfg.orchestrate.device_slots)
     if needed > size:
         raise QuotaTooSmall(
-            f"train.world_size={needed} needs {needed} device slots but the Prefect "
-            f"concurrency limit {name!r} has {size}: lower train.world_size, or raise the "
+            f"runtime.world_size={needed} needs {needed} device slots but the Prefect "
+            f"concurrency limit {name!r} has {size}: lower runtime.world_size, or raise the "
             f"limit with `prefect global-concurrency-limit update {name} --limit {needed}`"
         )
     return size
@@ -65,7 +65,7 @@ def check_quota(cfg: Config) -> int:
 @contextlib.contextmanager
 def device_slots(cfg: Config) -> Iterator[int]:
     """Hold one slot per training worker for the duration of the block."""
-    name, needed = cfg.orchestrate.device_limit, cfg.train.world_size
+    name, needed = cfg.orchestrate.device_limit, cfg.runtime.world_size
     size = check_quota(cfg)
     logger = get_run_logger()
     logger.info("waiting for %d of %d slots of device quota %r", needed, size, name)
