@@ -164,3 +164,93 @@ def test_second_run_adds_a_version_and_gates_the_champion(first_run) -> None:
     assert ("champion" in second.aliases) == wins
     assert f"test_accuracy {new['test_accuracy']:.4f}" in second.description
     assert "up to date" in _dvc(project, "status").stdout
+
+
+def _example_project(tmp_path: Path, example: str, *overrides: str) -> tuple[Path, str]:
+    """A fresh copy running one of `gradline example --list`, made smaller by overrides."""
+    project = copy_project(tmp_path / "gradline")
+    proc = _gradline(project, "example", example)
+    assert proc.returncode == 0, proc.stderr
+    proc = _gradline(project, "run", *(f"--set={o}" for o in overrides))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return project, json.loads((project / "result.json").read_text())["run_id"]
+
+
+def _pyfunc(project: Path, name: str):
+    import mlflow.pyfunc
+
+    store = f"sqlite:///{project / 'mlflow' / 'mlflow.db'}"
+    mlflow.set_tracking_uri(store)
+    mlflow.set_registry_uri(store)
+    return mlflow.pyfunc.load_model(f"models:/{name}/1")
+
+
+def test_regression_example_scores_against_its_linear_baseline(tmp_path: Path) -> None:
+    import pandas as pd
+    from sklearn.datasets import load_diabetes
+
+    project, run_id = _example_project(tmp_path, "diabetes-regression", "train.epochs=40")
+    metrics = _client(project).get_run(run_id).data.metrics
+    for name in ("rmse", "mae", "r2"):
+        assert f"test_{name}" in metrics and f"baseline_test_{name}" in metrics
+    assert metrics["test_r2"] > 0.0 and metrics["baseline_test_r2"] > 0.0
+    evaluation = {a.path for a in _client(project).list_artifacts(run_id, "evaluation")}
+    assert "evaluation/predicted_vs_actual.png" in evaluation
+    # The registered model takes raw rows by column name and predicts in the label's units.
+    bunch = load_diabetes(scaled=False)
+    rows = pd.DataFrame(bunch.data[:5], columns=bunch.feature_names)
+    predicted = _pyfunc(project, "gradline-diabetes").predict(rows)
+    values = pd.DataFrame(predicted).to_numpy().ravel()
+    assert values.shape == (5,) and 25 < values.mean() < 350
+
+
+def test_language_model_example_samples_text_and_generates_through_pyfunc(tmp_path) -> None:
+    import pandas as pd
+
+    small = (
+        "data.max_bytes=400000",
+        "train.max_steps=40",
+        "runtime.eval_every_steps=20",
+        "model.layers=2",
+        "model.width=64",
+        "model.context=64",
+        "task.max_new_tokens=20",
+    )
+    project, run_id = _example_project(tmp_path, "stdlib-gpt", *small)
+    client = _client(project)
+    metrics = client.get_run(run_id).data.metrics
+    for name in ("loss", "perplexity", "bits_per_token", "bits_per_byte"):
+        assert f"test_{name}" in metrics and f"baseline_test_{name}" in metrics
+    assert metrics["test_loss"] < metrics["baseline_test_loss"]  # beats a unigram already
+    samples = {a.path for a in client.list_artifacts(run_id, "samples")}
+    assert samples == {"samples/step-00000020.txt", "samples/step-00000040.txt"}
+    text = client.download_artifacts(run_id, "evaluation/samples.txt", str(tmp_path))
+    assert "=== sample 1, prompt 'def ' ===" in Path(text).read_text()
+    generated = _pyfunc(project, "gradline-stdlib-gpt").predict(
+        pd.DataFrame({"prompt": ["import ", "def main("]}), params={"max_new_tokens": 10}
+    )
+    assert list(generated.columns) == ["text"] and len(generated) == 2
+    assert all(
+        isinstance(t, str) and t.startswith(p)
+        for t, p in zip(generated["text"], ["import ", "def main("], strict=True)
+    )
+
+
+def test_a_user_model_trains_registers_and_loads_through_pyfunc(tmp_path: Path) -> None:
+    import numpy as np
+
+    from training.config import update_params_file
+
+    project = copy_project(tmp_path / "gradline")
+    model = {"name": None, "target": "tests.user_models:tiny_net", "hidden": 32}
+    update_params_file(project / "params.yaml", {"model": model}, replace=frozenset({"model"}))
+    proc = _gradline(project, "run", "--set", "data.max_rows=600", "--set", "train.epochs=5")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_id = json.loads((project / "result.json").read_text())["run_id"]
+    assert _client(project).get_run(run_id).data.params["model.target"] == model["target"]
+    (version,) = _client(project).search_model_versions("name='gradline-digits'")
+    assert version.run_id == run_id and "gradline.gate" in version.tags
+    predicted = np.asarray(
+        _pyfunc(project, "gradline-digits").predict(np.zeros((4, 8, 8), dtype=np.float32))
+    )
+    assert predicted.shape == (4,) and set(predicted.tolist()) <= set(range(10))

@@ -60,7 +60,9 @@ EXAMPLES: dict[str, dict[str, Any]] = {
             "tied_embeddings": True,
         },
         "optim": {"lr": 0.002, "warmup_steps": 100, "weight_decay": 0.01},
-        "train": {"epochs": 1, "max_steps": 1500, "batch_size": 32},
+        # A budget in steps, not epochs: the same training time with either tokenizer
+        # (bpe packs ~3.5 bytes a token, so an epoch has ~3.5x fewer windows).
+        "train": {"epochs": 10, "max_steps": 650, "batch_size": 32},
         "runtime": {"eval_every_steps": 500, "log_every_steps": 50},
         "registry": {"model_name": "gradline-stdlib-gpt"},
     },

@@ -103,6 +103,9 @@ class NullTracker:
     def set_tag(self, key: str, value: str) -> None:
         pass
 
+    def log_text(self, text: str, artifact_file: str) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -153,6 +156,10 @@ class MlflowTracker:
 
     def set_tag(self, key: str, value: str) -> None:
         self._append({"kind": "tag", "key": key, "value": value})
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """A text artifact of the run (e.g. sampled continuations at a validation)."""
+        self._append({"kind": "text", "path": artifact_file, "text": text})
 
     def log_checkpoint(self, path: Path, step: int, metrics: dict[str, float]) -> None:
         """Record a checkpoint and the metrics of its step under checkpoints/step-N/.
@@ -223,6 +230,8 @@ def _ship(mlflow_client, run_id: str, records: list[dict], logged_until: dict[st
                 add(record["key"], value, record["time"], step)
         elif kind == "tag":
             tags.append(RunTag(record["key"], record["value"]))
+        elif kind == "text":
+            mlflow_client.log_text(run_id, record["text"], record["path"])
         elif kind == "checkpoint" and Path(record["path"]).exists():
             folder = f"checkpoints/step-{record['step']:08d}"
             with tempfile.TemporaryDirectory() as tmp:

@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.ipc as ipc
 import torch
 import torch.utils.data
 
@@ -84,16 +82,7 @@ class ShardReader:
     def _view(self, shard_id: int) -> tuple[np.ndarray, np.ndarray]:
         view = self._views.get(shard_id)
         if view is None:
-            info = self.shards[shard_id]
-            try:
-                batch = ipc.open_file(pa.memory_map(str(info.path), "r")).get_batch(0)
-            except (OSError, pa.ArrowInvalid) as exc:
-                raise DataError(f"cannot read shard {info.path}: {exc}; re-run shard") from exc
-            if batch.num_rows != info.rows:
-                raise DataError(
-                    f"shard {info.path} has {batch.num_rows} rows, the manifest says "
-                    f"{info.rows}; re-run the shard stage"
-                )
+            batch = self.shards[shard_id].map()
             column = batch.column(batch.schema.get_field_index(FEATURES))
             width = column.type.list_size
             # Zero-copy views straight onto the mapped file.

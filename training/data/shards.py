@@ -238,6 +238,20 @@ class ShardInfo:
     rows: int
     sha256: str
 
+    def map(self, unit: str = "rows") -> pa.RecordBatch:
+        """The shard's one record batch, memory-mapped (columns are zero-copy views onto
+        the file), after checking it holds as many `unit` as the manifest says."""
+        try:
+            batch = ipc.open_file(pa.memory_map(str(self.path), "r")).get_batch(0)
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise DataError(f"cannot read shard {self.path}: {exc}; re-run shard") from exc
+        if batch.num_rows != self.rows:
+            raise DataError(
+                f"shard {self.path} has {batch.num_rows} {unit}, the manifest says "
+                f"{self.rows}; re-run the shard stage"
+            )
+        return batch
+
 
 def split_shards(shard_dir: Path, manifest: dict[str, Any], split: str) -> list[ShardInfo]:
     return [

@@ -125,6 +125,7 @@ class Setup:
     model: Parallelized
     optimizer: torch.optim.Optimizer
     total_steps: int
+    sampler: Any  # language models: model -> sampled continuations of fixed prompts
 
 
 def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
@@ -158,6 +159,7 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         model=model,
         optimizer=optimizer,
         total_steps=min(total, cfg.train.max_steps or total),
+        sampler=_sampler(cfg, shard_dir, manifest, context),
     )
 
 
@@ -167,6 +169,27 @@ def _token_bytes(shard_dir: Path, manifest: dict[str, Any]):
     from training.data.tokenizer import shard_tokenizer
 
     return shard_tokenizer(shard_dir, manifest).token_bytes()
+
+
+def _sampler(cfg: Config, shard_dir: Path, manifest: dict[str, Any], context: int | None):
+    """For language models, what a validation logs beside its metrics: continuations of
+    the task's fixed prompts, so the run shows what the model writes as it learns."""
+    if manifest.get("kind") != "tokens":
+        return None
+    from training.data.tokenizer import shard_tokenizer
+    from training.evaluate import sample_text
+
+    tokenizer, task = shard_tokenizer(shard_dir, manifest), cfg.task
+    return lambda model: sample_text(
+        model,
+        tokenizer,
+        task.prompts,
+        task.max_new_tokens,
+        task.temperature,
+        task.top_k,
+        context,
+        seed=cfg.train.seed,
+    )
 
 
 def resume(setup: Setup, topo: Topology, job_dir: JobDir) -> tuple[LoaderPosition, int, str]:
@@ -257,6 +280,9 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
     def evaluate(epoch: int) -> None:
         inst.collective(step)
         intervals.log_validation(validate(cfg, setup, topo), step, epoch)
+        if setup.sampler is not None and topo.is_main:
+            text = setup.sampler(setup.model.module)
+            tracker.log_text(text, f"samples/step-{step:08d}.txt")
 
     for epoch in range(position.epoch, cfg.train.epochs):
         start = position.batch_index if epoch == position.epoch else 0
