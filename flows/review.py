@@ -19,10 +19,9 @@ from training.lineage import (
     run_url,
     ui_base,
 )
+from training.objectives import GATE_METRICS
 from training.project import Project
 from training.tracking import TAG_DATA_VERSION, client, default_tracking_uri
-
-KEY_METRICS = ("test_accuracy", "test_macro_f1", "test_loss", "val_accuracy")
 
 
 def _prefect_flow_run_url(flow_run_id: str) -> str:
@@ -115,18 +114,35 @@ def runs_text(root: Path, limit: int) -> str:
         for v in found:
             tags = "".join(f" @{a}" for a in aliases.get(str(v.version), []))
             versions[v.run_id] = f"v{v.version}{tags}"
-    header = ("started (UTC)", "run", "status", "data", *KEY_METRICS, "model version")
+    header = (
+        "started (UTC)",
+        "run",
+        "status",
+        "data",
+        "task",
+        "metric",
+        "model",
+        "baseline",
+        "model version",
+    )
     rows = [header]
     for run in runs:
         started = datetime.fromtimestamp(run.info.start_time / 1000, UTC)
         metrics = run.data.metrics
+        task = run.data.params.get("task.type", "classification")
+        metric = GATE_METRICS.get(task, "test_loss")  # each run shows its own task's metric
         rows.append(
             (
                 started.strftime("%Y-%m-%d %H:%M"),
                 run.info.run_id[:12],
                 run.info.status,
                 run.data.tags.get(TAG_DATA_VERSION, "")[:10],
-                *(f"{metrics[k]:.4f}" if k in metrics else "-" for k in KEY_METRICS),
+                task,
+                metric,
+                *(
+                    f"{metrics[k]:.4f}" if k in metrics else "-"
+                    for k in (metric, f"baseline_{metric}")
+                ),
                 versions.get(run.info.run_id, "-"),
             )
         )

@@ -315,7 +315,7 @@ def test_served_deployment_retrains_only_when_something_changed(server, served) 
     listing = _gradline(root, server, "runs")
     assert listing.returncode == 0, listing.stderr
     lines = listing.stdout.splitlines()
-    assert "test_accuracy" in lines[0]
+    assert "baseline" in lines[0] and "test_accuracy" in lines[1]  # the task's gate metric
     assert lines[1].split()[2] == v2.run_id[:12] and "v2" in lines[1]
     assert lines[2].split()[2] == v1.run_id[:12] and "v1" in lines[2]
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from training.serving import log_pyfunc_model
 
 from training.config import ModelConfig
 from training.data.spec import DataSpec
 from training.models import ModelSpec, build_model, save_model_dir
 from training.registry import GATE_TAG, ChampionIncompatible, Score, is_gated, register_and_gate
+from training.serving import log_pyfunc_model
 from training.tracking import TAG_TEST_DIGEST, client, ensure_experiment
 
 NAME = "gate-test"
@@ -140,3 +140,21 @@ def test_a_registration_cut_short_is_gated_on_the_next_run(store) -> None:
     assert registry.get_model_version(NAME, "2").tags[GATE_TAG] == "champion"
     assert is_gated(registry, NAME, run[0])
     assert len(registry.search_model_versions(f"name='{NAME}'")) == 2
+
+
+def test_incompatibility_names_what_changed_in_the_data() -> None:
+    from training.data.spec import incompatibility
+
+    table = DataSpec("table", (30,), 2, feature_names=tuple(f"c{i}" for i in range(30)))
+    wider = DataSpec("table", (31,), 2, feature_names=(*table.feature_names, "new"))
+    assert incompatibility(table, "classification", table, "classification") is None
+    assert "added ['new']" in incompatibility(table, "classification", wider, "classification")
+    assert "learned classification" in incompatibility(table, "classification", table, "regression")
+    tokens = DataSpec("tokens", vocab_size=2048, tokenizer="a" * 64)
+    retrained = DataSpec("tokens", vocab_size=2048, tokenizer="b" * 64)
+    assert "another tokenizer" in incompatibility(
+        tokens, "language_modeling", retrained, "language_modeling"
+    )
+    assert "257 tokens" in incompatibility(
+        DataSpec("tokens", vocab_size=257), "language_modeling", tokens, "language_modeling"
+    )

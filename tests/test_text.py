@@ -22,7 +22,13 @@ from training.data.loader import (
     open_reader,
     rank_slice,
 )
-from training.data.shards import read_manifest, split_codes, split_shards, write_shards
+from training.data.shards import (
+    file_sha256,
+    read_manifest,
+    split_codes,
+    split_shards,
+    write_shards,
+)
 from training.data.text import DOCUMENTS_FILE, QUARANTINE_FILE, list_files, paragraphs
 from training.data.tokenizer import (
     TOKENIZER_FILE,
@@ -256,7 +262,9 @@ def test_token_manifest_describes_and_verifies_shards(corpus) -> None:
     manifest = read_manifest(shards)
     assert manifest["kind"] == "tokens" and manifest["schema"] == {"tokens": "uint16"}
     assert (manifest["vocab_size"], manifest["eot_token"]) == (257, 256)
-    assert manifest["tokenizer"] == {"kind": "bytes", "file": TOKENIZER_FILE}
+    tokenizer = manifest["tokenizer"]
+    assert (tokenizer["kind"], tokenizer["file"]) == ("bytes", TOKENIZER_FILE)
+    assert tokenizer["sha256"] == file_sha256(shards / TOKENIZER_FILE)
     assert (shards / TOKENIZER_FILE).is_file()
     docs = 0
     for split, info in manifest["splits"].items():

@@ -424,6 +424,13 @@ class LanguageModelingObjective(Objective):
         )
 
 
+# Each task's gate metric, for readers of finished runs (no objective needs building).
+GATE_METRICS = {
+    objective.task: objective.gate_metric
+    for objective in (ClassificationObjective, RegressionObjective, LanguageModelingObjective)
+}
+
+
 def objective_for(
     task_type: str, data: DataSpec, token_bytes: np.ndarray | None = None
 ) -> Objective:

@@ -24,12 +24,14 @@ class DataSpec:
     label_mean: float | None = None  # regression: train-split statistics
     label_std: float | None = None
     feature_names: tuple[str, ...] | None = None  # table: the source's column names
+    tokenizer: str | None = None  # tokens: sha256 of the tokenizer that made them
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> DataSpec:
         kind = manifest.get("kind")
         if kind == "tokens":
-            return cls("tokens", vocab_size=int(manifest["vocab_size"]))
+            tokenizer = (manifest.get("tokenizer") or {}).get("sha256")
+            return cls("tokens", vocab_size=int(manifest["vocab_size"]), tokenizer=tokenizer)
         shape = tuple(int(d) for d in manifest["feature_shape"])
         kind = kind or ("table" if len(shape) == 1 else "image")
         features = manifest.get("feature_stats") or {}
@@ -76,4 +78,6 @@ def incompatibility(trained: DataSpec, trained_task: str, now: DataSpec, task: s
         return f"it predicts {trained.num_classes} classes, the data now has {now.num_classes}"
     if trained.vocab_size != now.vocab_size:
         return f"its vocabulary has {trained.vocab_size} tokens, the data's {now.vocab_size}"
+    if trained.tokenizer and now.tokenizer and trained.tokenizer != now.tokenizer:
+        return "it was trained with another tokenizer, so its tokens are not the data's"
     return None

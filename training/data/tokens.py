@@ -129,7 +129,12 @@ def write_token_shards(cfg: ShardConfig, raw_dir: Path, out_dir: Path, data_vers
             "schema": {TOKENS: dtype.name},
             "vocab_size": tokenizer.vocab_size,
             "eot_token": tokenizer.eot,
-            "tokenizer": {"kind": tokenizer.kind, "file": TOKENIZER_FILE},
+            "tokenizer": {
+                "kind": tokenizer.kind,
+                "file": TOKENIZER_FILE,
+                # Which tokenizer: models trained with another one score other tokens.
+                "sha256": file_sha256(staging / TOKENIZER_FILE),
+            },
             "splits": {w.name: w.summary() for w in writers},
         }
         write_json(staging / MANIFEST, manifest)
