@@ -26,7 +26,7 @@ def test_shipped_params_match_schema_defaults(params: Path) -> None:
 
 
 def test_unknown_key_in_file_is_named(params: Path) -> None:
-    params.write_text(params.read_text().replace("  lr: 0.003", "  lr: 0.003\n  lrr: 1"))
+    params.write_text(params.read_text().replace("  lr: 0.005", "  lr: 0.005\n  lrr: 1"))
     with pytest.raises(ConfigError, match=r"optim\.lrr: unknown key; allowed: .*lr"):
         load_config(params)
 
@@ -97,7 +97,7 @@ def test_examples_rewrite_the_computing_sections_and_validate(params: Path) -> N
         assert cfg.registry.model_name.startswith("gradline-")
     # Back to the default: nothing of the GPT example is left behind.
     cfg = apply_example(params, "digits-mlp")
-    assert cfg.model.options == {"hidden": 128, "depth": 2, "dropout": 0.0}
+    assert cfg.model.options == {"hidden": 256, "depth": 2, "dropout": 0.2}
     assert cfg.data.max_bytes is None and cfg.train.max_steps is None
     assert cfg.runtime.world_size == runtime_before.world_size
     assert "# global batch per optimizer step, split evenly across ranks" in params.read_text()

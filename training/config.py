@@ -170,7 +170,7 @@ class ModelConfig(BaseModel):
 
 
 class OptimConfig(_Section):
-    lr: float = Field(0.003, gt=0.0)
+    lr: float = Field(0.005, gt=0.0)
     weight_decay: float = Field(0.0001, ge=0.0)
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     warmup_steps: int = Field(20, ge=0, description="linear warmup before the schedule")
@@ -249,7 +249,7 @@ class Config(_Section):
     data: DataConfig = DataConfig()
     shard: ShardConfig = ShardConfig()
     task: TaskConfig = TaskConfig()
-    model: ModelConfig = ModelConfig(name="mlp", hidden=128, depth=2, dropout=0.0)
+    model: ModelConfig = ModelConfig(name="mlp", hidden=256, depth=2, dropout=0.2)
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     runtime: RuntimeConfig = RuntimeConfig()

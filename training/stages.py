@@ -82,7 +82,10 @@ def train_stage(
     except BaseException:
         set_status(tracking_uri, job.run_id, "FAILED")
         raise
-    model_uri = log_pyfunc_model(tracking_uri, job.run_id, model_dir, generation_defaults(cfg))
+    model_uri = log_pyfunc_model(
+        tracking_uri, job.run_id, model_dir, generation_defaults(cfg), prompts=cfg.task.prompts
+    )
+    set_status(tracking_uri, job.run_id, "FINISHED")
     mark_complete(job)
     summary = {
         "run_id": job.run_id,

@@ -75,9 +75,11 @@ def store_errors(tracking_uri: str):
 
 
 def client(tracking_uri: str):
+    """A client of one store, registry included (never the process-wide registry URI,
+    which another store may have set)."""
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri)
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
 
 def ensure_experiment(tracking_uri: str, name: str, artifact_location: str | None) -> str:
