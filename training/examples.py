@@ -41,8 +41,9 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "about": "scikit-learn's bundled diabetes table (442 rows), an MLP regressor",
         "data": {"source": "diabetes"},
         "task": {"type": "regression"},
-        "model": {"name": "mlp", "hidden": 32, "depth": 1, "dropout": 0.2},
-        "optim": {"lr": 0.003, "weight_decay": 0.01, "warmup_steps": 10},
+        # 309 training rows: a wide layer held back by heavy dropout and a small step.
+        "model": {"name": "mlp", "hidden": 64, "depth": 1, "dropout": 0.5},
+        "optim": {"lr": 0.001, "weight_decay": 0.01, "warmup_steps": 10},
         "train": {"epochs": 100, "batch_size": 32},
         "registry": {"model_name": "gradline-diabetes"},
     },
