@@ -93,6 +93,15 @@ def test_a_model_that_does_not_beat_its_baseline_is_never_champion(store) -> Non
         client(store[0]).get_model_version_by_alias(NAME, "champion")
 
 
+def test_a_verdict_below_the_baseline_still_shows_the_champion(store) -> None:
+    _gate(store, _trained(store, 0.99, digest="old-split"), 0.99, digest="old-split")
+    run = _trained(store, 0.80, "new-split")
+    result = _gate(store, run, 0.80, baseline=0.85, digest="new-split", rescore=lambda _: 0.90)
+    assert result.alias == "challenger"
+    assert "does not beat the baseline's 0.8500" in result.verdict
+    assert "champion v1's 0.9000 on the same test data" in result.verdict
+
+
 def test_champion_is_re_scored_on_new_test_data(store) -> None:
     _gate(store, _trained(store, 0.99, digest="old-split"), 0.99, digest="old-split")
     asked = []

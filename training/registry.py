@@ -73,9 +73,15 @@ def decide(score: Score, champion: str | None, champion_score: float | None, why
     """(alias, verdict) for a new version."""
     name = score.metric
     if not score.beats(score.value, score.baseline):
+        also = ""
+        if champion is not None and champion_score is not None:
+            also = (
+                f" (for comparison: champion v{champion}'s {champion_score:.4f} on the same "
+                "test data)"
+            )
         return CHALLENGER, (
             f"not champion: {name} {score.value:.4f} does not beat the baseline's "
-            f"{score.baseline:.4f} on the same test split"
+            f"{score.baseline:.4f} on the same test split{also}"
         )
     versus = f"beats the baseline's {score.baseline:.4f}"
     if champion is None:
