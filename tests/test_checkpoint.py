@@ -1,50 +1,275 @@
-"""Checkpoints: atomic, pruned, verified; a corrupt newest one falls back to the previous."""
+"""Checkpoints: sharded (DCP), complete or absent, pruned, verified; a corrupt newest one
+falls back to the previous; async saves hold the values at save time."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import torch
 
-from training.engine.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from training.engine.checkpoint import (
+    Checkpointer,
+    CorruptCheckpoint,
+    checkpoint_dir,
+    find_latest,
+    list_checkpoints,
+    load_into,
+    load_model_weights,
+    verify,
+)
+
+# Saves without a process group are single-process saves; DCP says so each time.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def _state(value: float) -> dict:
-    return {"model": {"w": torch.full((3,), value)}, "loader": {"version": 1}}
+    return {"model": {"w": torch.full((3,), value)}, "optim": {"m": torch.full((2,), -value)}}
+
+
+def _save(directory: Path, step: int, keep: int, asynchronous: bool = False, **kw) -> Path:
+    writer = Checkpointer(directory, keep, asynchronous, is_main=True, **kw)
+    writer.save(step, _state(step), {"step": step}, {"train_loss": 1.0})
+    writer.close()
+    return checkpoint_dir(directory, step)
+
+
+def _loaded(path: Path) -> dict:
+    target = _state(0)
+    load_into(path, target)
+    return target
 
 
 def test_keeps_newest_k_and_loads_latest(tmp_path) -> None:
+    writer = Checkpointer(tmp_path, keep=2, asynchronous=False, is_main=True)
     for step in (10, 20, 30, 40):
-        save_checkpoint(tmp_path, step, _state(step), keep=2)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-00000040.pt", "ckpt-00000030.pt"]
-    _, state = load_latest(tmp_path)
-    assert state["step"] == 40 and torch.equal(state["model"]["w"], torch.full((3,), 40.0))
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        writer.save(step, _state(step), {"step": step, "loader": {"epoch": 1}}, {})
+    writer.close()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000040", "step-00000030"]
+    path, train_state = find_latest(tmp_path)
+    assert train_state == {"step": 40, "loader": {"epoch": 1}, "format": 2}
+    state = _loaded(path)
+    assert torch.equal(state["model"]["w"], torch.full((3,), 40.0))
+    assert torch.equal(state["optim"]["m"], torch.full((2,), -40.0))
+    assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_truncated_latest_falls_back_with_warning(tmp_path, caplog) -> None:
-    save_checkpoint(tmp_path, 1, _state(1), keep=3)
-    newest = save_checkpoint(tmp_path, 2, _state(2), keep=3)
-    newest.write_bytes(newest.read_bytes()[:100])
+def test_same_step_is_saved_once(tmp_path) -> None:
+    writer = Checkpointer(tmp_path, keep=2, asynchronous=False, is_main=True)
+    writer.save(5, _state(5), {"step": 5}, {})
+    assert writer.save(5, _state(6), {"step": 5}, {}) == 0.0
+    writer.close()
+    assert torch.equal(_loaded(checkpoint_dir(tmp_path, 5))["model"]["w"], torch.full((3,), 5.0))
+
+
+def test_truncated_shard_falls_back_with_warning(tmp_path, caplog) -> None:
+    _save(tmp_path, 1, keep=3)
+    newest = _save(tmp_path, 2, keep=3)
+    (shard,) = newest.glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:20])
+    with pytest.raises(CorruptCheckpoint, match=shard.name):
+        verify(newest)
     with caplog.at_level(logging.WARNING):
-        _, state = load_latest(tmp_path)
-    assert state["step"] == 1
-    assert "checksum mismatch" in caplog.text
+        path, train_state = find_latest(tmp_path)
+    assert path.name == "step-00000001" and train_state["step"] == 1
+    assert f"{shard.name} fails its checksum" in caplog.text
+    assert "falling back to the previous one" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("damage", "cause"),
+    [
+        (lambda p: (p / ".metadata").unlink(), ".metadata is missing"),
+        (lambda p: (p / "sha256.json").unlink(), "sha256.json is missing"),
+        (lambda p: (p / "train_state.json").unlink(), "train_state.json is missing"),
+    ],
+)
+def test_missing_file_is_corrupt(tmp_path, damage, cause) -> None:
+    path = _save(tmp_path, 1, keep=3)
+    damage(path)
+    with pytest.raises(CorruptCheckpoint, match=cause):
+        verify(path)
+
+
+def test_another_format_is_corrupt(tmp_path) -> None:
+    path = _save(tmp_path, 1, keep=3)
+    (path / "train_state.json").write_text(json.dumps({"step": 1, "format": 1}))
+    manifest = json.loads((path / "sha256.json").read_text())
+    manifest["train_state.json"] = hashlib.sha256((path / "train_state.json").read_bytes())
+    manifest["train_state.json"] = manifest["train_state.json"].hexdigest()
+    (path / "sha256.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptCheckpoint, match="format 1"):
+        verify(path)
+
+
+def test_torn_save_is_never_listed_or_loaded(tmp_path) -> None:
+    _save(tmp_path, 1, keep=3)
+    torn = _save(tmp_path / "elsewhere", 2, keep=3)
+    torn.rename(tmp_path / "step-00000002.tmp")  # complete files, but never renamed
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000001"]
+    assert find_latest(tmp_path)[1]["step"] == 1
+    # A later save removes the torn folder of an older step.
+    _save(tmp_path, 3, keep=3)
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_no_checkpoint_means_fresh_start(tmp_path) -> None:
-    assert load_latest(tmp_path / "missing") is None
+    assert find_latest(tmp_path / "missing") is None
 
 
-def test_async_checkpointer_writes_a_snapshot_not_the_live_state(tmp_path) -> None:
-    from training.engine.checkpoint import Checkpointer
-
+def test_async_save_writes_the_values_at_save_time(tmp_path) -> None:
     saved = []
-    writer = Checkpointer(tmp_path, keep=2, asynchronous=True, on_saved=lambda *a: saved.append(a))
-    live = {"model": {"w": torch.zeros(3)}}
-    writer.save(5, live, {"train_loss": 1.0})
-    live["model"]["w"] += 7  # training goes on while the writer thread works
+    writer = Checkpointer(
+        tmp_path, keep=2, asynchronous=True, is_main=True, on_saved=lambda *a: saved.append(a)
+    )
+    live = {"model": {"w": torch.zeros(1000, 100)}, "optim": {"m": torch.zeros(2)}}
+    writer.save(5, live, {"step": 5}, {"train_loss": 1.0})
+    live["model"]["w"] += 7  # training goes on while the checkpoint is written
+    live["optim"]["m"] += 7
+    writer.save(6, live, {"step": 6}, {"train_loss": 0.5})  # waits for step 5 first
+    live["model"]["w"] += 1
     writer.close()
-    _, state = load_latest(tmp_path)
-    assert torch.equal(state["model"]["w"], torch.zeros(3))
-    assert saved[0][1:] == (5, {"train_loss": 1.0})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000006", "step-00000005"]
+    five = {"model": {"w": torch.ones(1000, 100)}, "optim": {"m": torch.ones(2)}}
+    load_into(checkpoint_dir(tmp_path, 5), five)
+    assert torch.equal(five["model"]["w"], torch.zeros(1000, 100))
+    assert torch.equal(five["optim"]["m"], torch.zeros(2))
+    six = {"model": {"w": torch.ones(1000, 100)}}
+    load_into(checkpoint_dir(tmp_path, 6), six)
+    assert torch.equal(six["model"]["w"], torch.full((1000, 100), 7.0))
+    assert [(Path(p).name, s, m) for p, s, m in saved] == [
+        ("step-00000005", 5, {"train_loss": 1.0}),
+        ("step-00000006", 6, {"train_loss": 0.5}),
+    ]
+
+
+def test_async_failure_is_raised_by_the_next_wait(tmp_path) -> None:
+    def broken(*_):
+        raise OSError("disk full")
+
+    writer = Checkpointer(tmp_path, keep=2, asynchronous=True, is_main=True, on_saved=broken)
+    writer.save(1, _state(1), {"step": 1}, {})
+    with pytest.raises(OSError, match="disk full"):
+        writer.close()
+
+
+def test_load_model_weights_reads_the_model_only(tmp_path) -> None:
+    torch.manual_seed(0)
+    trained = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    optim = {"exp_avg": torch.randn(3, 4), "lr": 0.1}
+    writer = Checkpointer(tmp_path, keep=1, asynchronous=False, is_main=True)
+    writer.save(7, {"model": trained.state_dict(), "optim": optim}, {"step": 7}, {})
+    writer.close()
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    load_model_weights(checkpoint_dir(tmp_path, 7), fresh)
+    for name, value in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+
+
+class _Parts(torch.nn.Module):
+    """The full (unsharded) model that the two ranks below save parts of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w0 = torch.nn.Parameter(torch.zeros(3))
+        self.w1 = torch.nn.Parameter(torch.zeros(3))
+        self.shared = torch.nn.Parameter(torch.zeros(8))
+
+
+def _rank_saves_its_part(rank: int, directory: str, store: str) -> None:
+    """One rank of two: each saves a different tensor and its half of a sharded one."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    topo = SimpleNamespace(is_main=rank == 0, world_size=2)
+    runtime = SimpleNamespace(keep_checkpoints=1, async_checkpoint=True)
+    tracker = SimpleNamespace(log_checkpoint=lambda path, step, metrics: None)
+    writer = Checkpointer.for_job(topo, Path(directory), runtime, tracker)
+    assert writer.group is not None
+    own = torch.full((3,), float(rank + 1))
+    shared = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    for step in (1, 2):
+        model = {f"w{rank}": own, "shared": shared}
+        writer.save(step, {"model": model}, {"step": step, "world_size": 2}, {})
+        own += 10  # the live values move on; each checkpoint keeps its own
+        shared.to_local().add_(10)
+        dist.barrier()  # training-thread collectives while the save runs in the background
+    writer.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_every_rank_writes_its_part_before_the_checkpoint_completes(tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    context = mp.spawn(
+        _rank_saves_its_part,
+        args=(str(tmp_path / "ckpt"), str(tmp_path / "store")),
+        nprocs=2,
+        join=False,
+    )
+    deadline = time.monotonic() + 45
+    try:
+        # join() returns when one process ends; it raises if one failed.
+        while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+            if time.monotonic() > deadline:
+                pytest.fail("the two ranks did not finish their saves in 45 s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    assert [p.name for p in list_checkpoints(tmp_path / "ckpt")] == ["step-00000002"]
+    path, train_state = find_latest(tmp_path / "ckpt")
+    assert train_state == {"step": 2, "world_size": 2, "format": 2}
+    model = _Parts()
+    load_model_weights(path, model)  # one process, full tensors: DCP reshards
+    assert torch.equal(model.w0.data, torch.full((3,), 11.0))
+    assert torch.equal(model.w1.data, torch.full((3,), 12.0))
+    assert torch.equal(model.shared.data, torch.arange(8.0) + 10)
+
+
+def test_tracker_links_the_checkpoint_and_ships_it_once(tmp_path) -> None:
+    from training.tracking import _ship, link_checkpoint
+
+    path = _save(tmp_path, 3, keep=1)
+    pending = link_checkpoint(path)
+    assert pending.name == ".mlflow-step-00000003"
+    assert list_checkpoints(tmp_path) == [path]  # never taken for a checkpoint
+    record = {"kind": "checkpoint", "path": str(pending), "name": path.name, "step": 3}
+    record["values"] = {"train_loss": 0.25}
+    _save(tmp_path, 4, keep=1)  # prunes step 3: the links keep its files
+    assert not path.exists()
+
+    shipped = []
+
+    class Client:
+        def log_artifacts(self, run_id, local_dir, artifact_path):
+            names = sorted(p.name for p in Path(local_dir).iterdir())
+            shipped.append((artifact_path, names))
+
+        def log_dict(self, run_id, payload, artifact_file):
+            shipped.append((artifact_file, payload))
+
+    _ship(Client(), "run", [record], {})
+    _ship(Client(), "run", [record], {})  # a restarted shipper replays the journal
+    files = shipped[0][1]
+    assert shipped[0][0] == "checkpoints/step-00000003"
+    assert {".metadata", "sha256.json", "train_state.json"} <= set(files)
+    assert any(name.endswith(".distcp") for name in files)
+    assert shipped[1:] == [
+        ("checkpoints/step-00000003/metrics.json", {"step": 3, "train_loss": 0.25})
+    ]
+    assert not pending.exists()

@@ -217,6 +217,85 @@ class RuntimeConfig(_Section):
     max_restarts: int = Field(3, ge=0, description="elastic restarts after a worker failure")
 
 
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first, as ranks are laid out
+
+
+class ParallelConfig(_Section):
+    """How the model is laid out over the ranks: a device mesh of pipeline stages (pp),
+    full replicas (dp_replicate), sharded replicas (dp_shard, FSDP2) and tensor-parallel
+    groups (tp). Their product is runtime.world_size; one may be -1 to take the rest.
+    Like runtime, never part of the job's identity: a job saved under one layout resumes
+    under another."""
+
+    dp_replicate: int = Field(
+        -1, ge=-1, description="replicas holding all parameters (DDP, or HSDP's outer dim)"
+    )
+    dp_shard: int = Field(1, ge=-1, description="ranks sharing one replica's state (FSDP2)")
+    tp: int = Field(1, ge=-1, description="tensor-parallel ranks per layer")
+    pp: int = Field(1, ge=-1, description="pipeline stages")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_microbatches: int = Field(4, ge=1, description="micro-batches per pipeline step")
+    pp_stages_per_rank: int = Field(
+        2, ge=2, description="interleaved_1f1b: model chunks (virtual stages) per rank"
+    )
+    activation_checkpointing: Literal["none", "block"] = Field(
+        "none", description="block: recompute each block's activations in backward"
+    )
+    param_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="sharded parameters in compute: auto is bf16 on CUDA, else fp32"
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype gradients are reduced in, when sharded"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_size_takes_the_rest(cls, data: Any) -> Any:
+        # dp_replicate takes the rest by default; when another size is set to -1, that
+        # one does, and dp_replicate (unless given) is 1.
+        takes_rest = isinstance(data, dict) and any(data.get(d) == -1 for d in MESH_DIMS)
+        if takes_rest and "dp_replicate" not in data:
+            data = {**data, "dp_replicate": 1}
+        return data
+
+    @model_validator(mode="after")
+    def _degrees_are_sizes(self) -> ParallelConfig:
+        degrees = {d: getattr(self, d) for d in MESH_DIMS}
+        if any(v == 0 for v in degrees.values()):
+            zero = [d for d, v in degrees.items() if v == 0]
+            raise ValueError(f"parallel.{zero[0]} must be >= 1, or -1 for the rest")
+        if sum(v == -1 for v in degrees.values()) > 1:
+            rest = [f"parallel.{d}" for d, v in degrees.items() if v == -1]
+            raise ValueError(
+                f"only one mesh size may be -1, got {' and '.join(rest)}; give the others "
+                "numbers (parallel.dp_replicate is -1 by default: set it to 1 when another "
+                "size takes the rest)"
+            )
+        return self
+
+    def degrees(self, world_size: int) -> dict[str, int]:
+        """The mesh sizes for `world_size` ranks, -1 resolved; ValueError when they do not
+        multiply to it."""
+        given = {d: getattr(self, d) for d in MESH_DIMS}
+        fixed = 1
+        for value in given.values():
+            fixed *= value if value > 0 else 1
+        rest = [d for d, v in given.items() if v == -1]
+        if rest and world_size % fixed == 0:
+            given[rest[0]] = world_size // fixed
+        product = 1
+        for value in given.values():
+            product *= max(value, 1)
+        if product != world_size or any(v < 1 for v in given.values()):
+            shown = " x ".join(f"{d}={v}" for d, v in self.model_dump().items() if d in given)
+            raise ValueError(
+                f"the mesh {shown} does not fit runtime.world_size={world_size}: the sizes "
+                "must multiply to the world size (one may be -1 to take the rest), e.g. "
+                f"parallel.dp_shard={world_size} with parallel.dp_replicate=1"
+            )
+        return given
+
+
 class EvaluateConfig(_Section):
     batch_size: int = Field(512, ge=1)
 
@@ -253,6 +332,7 @@ class Config(_Section):
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    parallel: ParallelConfig = ParallelConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     registry: RegistryConfig = RegistryConfig()
     orchestrate: OrchestrateConfig = OrchestrateConfig()
@@ -272,15 +352,9 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _sections_agree(self) -> Config:
-        from training.models.params import check_model_task
+        from training.models.params import check_model_layout, check_model_task
 
-        share = self.runtime.world_size * self.train.grad_accum_steps
-        if self.train.batch_size % share:
-            raise ValueError(
-                f"train.batch_size ({self.train.batch_size}) must be a multiple of "
-                f"runtime.world_size x train.grad_accum_steps ({share}) so every rank and "
-                "micro-batch gets the same share"
-            )
+        self._check_layout()
         task, source = self.task.type, self.data.source
         text = source in TEXT_SOURCES
         if text != (task == "language_modeling"):
@@ -306,14 +380,71 @@ class Config(_Section):
             )
         if not self.model.target:
             check_model_task(self.model.name, task)
+            check_model_layout(
+                self.model.name, self.model.options, self.layout(), self.pipeline_stages()
+            )
         return self
+
+    def layout(self) -> dict[str, int]:
+        """The resolved mesh sizes: pp, dp_replicate, dp_shard, tp."""
+        return self.parallel.degrees(self.runtime.world_size)
+
+    def _check_layout(self) -> None:
+        """The global batch splits evenly over data-parallel ranks, micro-batches and
+        pipeline micro-batches; the layout's options fit each other."""
+        mesh, par, train = self.layout(), self.parallel, self.train
+        dp = mesh["dp_replicate"] * mesh["dp_shard"]
+        share = dp * train.grad_accum_steps
+        if train.batch_size % share:
+            raise ValueError(
+                f"train.batch_size ({train.batch_size}) must be a multiple of the "
+                f"data-parallel ranks x train.grad_accum_steps ({dp} x "
+                f"{train.grad_accum_steps} = {share}) so every rank and micro-batch gets "
+                "the same share"
+            )
+        if mesh["pp"] > 1:
+            if train.grad_accum_steps > 1:
+                raise ValueError(
+                    "with parallel.pp > 1 the pipeline's micro-batches accumulate gradients: "
+                    "set train.grad_accum_steps: 1 and use parallel.pp_microbatches"
+                )
+            local = train.batch_size // dp
+            micro = par.pp_microbatches
+            if local % micro or micro < mesh["pp"]:
+                raise ValueError(
+                    f"parallel.pp_microbatches ({micro}) must divide each data-parallel "
+                    f"rank's batch ({local} rows) and be at least parallel.pp ({mesh['pp']})"
+                    " so every stage has work"
+                )
+            if par.pp_schedule == "interleaved_1f1b" and micro % mesh["pp"]:
+                raise ValueError(
+                    f"parallel.pp_schedule interleaved_1f1b needs parallel.pp_microbatches "
+                    f"({micro}) to be a multiple of parallel.pp ({mesh['pp']})"
+                )
+        sharded = mesh["dp_shard"] > 1
+        if not sharded and (par.param_dtype == "bf16" or par.reduce_dtype == "bf16"):
+            raise ValueError(
+                "parallel.param_dtype and reduce_dtype apply to sharded parameters: set "
+                "parallel.dp_shard > 1, or leave them at auto/fp32"
+            )
+        if train.compile and (mesh["tp"] > 1 or mesh["pp"] > 1 or sharded):
+            raise ValueError(
+                "train.compile works with plain data parallelism (DDP) only for now: set "
+                "train.compile: false to use sharding, tensor or pipeline parallelism"
+            )
+
+    def pipeline_stages(self) -> int:
+        """Model chunks the pipeline is cut into (pp, or pp x stages per rank)."""
+        pp = self.layout()["pp"]
+        interleaved = self.parallel.pp_schedule == "interleaved_1f1b"
+        return pp * self.parallel.pp_stages_per_rank if interleaved and pp > 1 else pp
 
 
 # What defines a job, with the data version: its key, its DVC params, its MLflow run.
 JOB_SECTIONS = ("shard", "task", "model", "optim", "train")
 # Sections that say where results are recorded or how a job runs, not what it computes:
 # no DVC stage depends on them, so changing them never makes a stage stale.
-UNTRACKED_SECTIONS = frozenset({"runtime", "registry", "orchestrate"})
+UNTRACKED_SECTIONS = frozenset({"runtime", "parallel", "registry", "orchestrate"})
 # Keys that moved when `train` was split; an old params.yaml or --set gets pointed on.
 MOVED_KEYS = {
     **{f"train.{k}": f"runtime.{k}" for k in RuntimeConfig.model_fields},

@@ -125,7 +125,7 @@ class Objective(ABC):
 
     def score_with_predictions(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Callable[[torch.Tensor], torch.Tensor | None],
         reader: Reader,
         rows: np.ndarray,
         batch_size: int,
@@ -135,23 +135,27 @@ class Objective(ABC):
         keep_predictions: bool = True,
     ) -> Scored:
         """`score`, also keeping the per-row predictions that the evaluate stage plots
-        (the predictions are this process's rows only; they are not reduced)."""
-        was_training = model.training
-        model.eval()
+        (the predictions are this process's rows only; they are not reduced).
+
+        `model` is a module, or a callable that runs one (a pipeline's ranks other than the
+        last stage's get None back and contribute no statistics)."""
+        is_module = isinstance(model, torch.nn.Module)
+        was_training = model.training if is_module else False
+        if is_module:
+            model.eval()
+
+        def forward(x: torch.Tensor) -> torch.Tensor | None:
+            out = model(x)
+            return out.float() if out is not None else None
+
         try:
             with torch.no_grad():
                 return self._accumulate(
-                    lambda x: model(x).float(),
-                    reader,
-                    rows,
-                    batch_size,
-                    device,
-                    reduce,
-                    prefix,
-                    keep_predictions,
+                    forward, reader, rows, batch_size, device, reduce, prefix, keep_predictions
                 )
         finally:
-            model.train(was_training)
+            if is_module:
+                model.train(was_training)
 
     def _accumulate(
         self,
@@ -173,6 +177,8 @@ class Objective(ABC):
             x, y = reader.gather(rows[start : start + batch_size])
             target = torch.from_numpy(y).to(device)
             output = forward(torch.from_numpy(x).to(device))
+            if output is None:
+                continue
             stats += self.batch_stats(output, target)
             predicted = self.predict(output) if keep_predictions else None
             if predicted is not None:

@@ -57,7 +57,7 @@ def train_stage(
     manifest = read_manifest(shards)
     # A model that cannot be built for this data fails here, as bad input (exit 2),
     # before a run is created or a worker starts.
-    check_buildable(cfg.model, cfg.task.type, DataSpec.from_manifest(manifest))
+    check_buildable(cfg.model, cfg.task.type, DataSpec.from_manifest(manifest), cfg.layout())
     tracking_uri = project.tracking_uri
     job = open_job_run(root, cfg, tracking_uri, manifest["data_version"], checkpoints)
     log.info(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -164,14 +165,13 @@ class MlflowTracker:
         self._append({"kind": "text", "path": artifact_file, "text": text})
 
     def log_checkpoint(self, path: Path, step: int, metrics: dict[str, float]) -> None:
-        """Record a checkpoint and the metrics of its step under checkpoints/step-N/.
+        """Record a checkpoint folder and the metrics of its step under checkpoints/step-N/.
 
-        Called from the checkpoint writer once the file is on disk. A hard link keeps the
-        file for the helper even if a later save prunes it first.
+        Called on rank 0 once the checkpoint is complete. Hard links of its files in a
+        hidden sibling folder keep them for the helper even if a later save prunes the
+        checkpoint first.
         """
-        pending = path.with_name(f".mlflow-{path.name}")
-        pending.unlink(missing_ok=True)
-        os.link(path, pending)
+        pending = link_checkpoint(path)
         self._append(
             {
                 "kind": "checkpoint",
@@ -196,6 +196,18 @@ class MlflowTracker:
             )
 
 
+def link_checkpoint(path: Path) -> Path:
+    """Hard-link the files of checkpoint folder `path` into `.mlflow-<name>/` beside it
+    (same file system, no copy); the shipper logs that folder and then removes it."""
+    pending = path.with_name(f".mlflow-{path.name}")
+    shutil.rmtree(pending, ignore_errors=True)
+    pending.mkdir()
+    for file in path.iterdir():
+        if file.is_file():
+            os.link(file, pending / file.name)
+    return pending
+
+
 def _deprioritize(pid: int) -> None:
     """Training first. Set from the parent right after start, so the helper's own
     start-up (imports) runs at the lowest priority too. On a saturated host the helper
@@ -205,9 +217,6 @@ def _deprioritize(pid: int) -> None:
 
 
 def _ship(mlflow_client, run_id: str, records: list[dict], logged_until: dict[str, int]) -> None:
-    import shutil
-    import tempfile
-
     from mlflow.entities import Metric, RunTag
 
     def last_logged(key: str) -> int:
@@ -236,12 +245,11 @@ def _ship(mlflow_client, run_id: str, records: list[dict], logged_until: dict[st
             mlflow_client.log_text(run_id, record["text"], record["path"])
         elif kind == "checkpoint" and Path(record["path"]).exists():
             folder = f"checkpoints/step-{record['step']:08d}"
-            with tempfile.TemporaryDirectory() as tmp:
-                target = Path(tmp) / record["name"]
-                shutil.move(record["path"], target)
-                mlflow_client.log_artifact(run_id, str(target), folder)
+            mlflow_client.log_artifacts(run_id, record["path"], folder)
             payload = {"step": record["step"], **record["values"]}
             mlflow_client.log_dict(run_id, payload, f"{folder}/metrics.json")
+            # Gone once shipped: a later shipper (after a restart) skips this record.
+            shutil.rmtree(record["path"], ignore_errors=True)
     for start in range(0, len(metrics), 1000):  # MLflow's batch limit
         mlflow_client.log_batch(run_id, metrics=metrics[start : start + 1000])
     if tags:

@@ -1,169 +1,257 @@
-"""Checkpoints: atomic, checksummed, newest K kept, loaded with weights_only=True.
+"""Checkpoints: sharded (torch.distributed.checkpoint), asynchronous, complete or absent.
 
-A checkpoint holds everything needed to continue exactly: model, optimizer, step and the
-data position. Random streams are a pure function of (seed, rank, step) in the loop, so
-no RNG state needs saving. Each file `ckpt-<step>.pt` has a sidecar `.sha256`; a file
-that fails its checksum or does not load is skipped with a warning, and the previous one
-is used.
+Every rank writes its own shard of the state (FSDP / tensor-parallel DTensors, pipeline
+stages) into `step-NNNNNNNN.tmp/`. DCP's coordinator, rank 0, writes `.metadata` only after
+gathering every rank's write results, so once rank 0's save has returned, all shards are
+on disk. Rank 0 then adds `train_state.json` (step, data position, layout) and a sha256
+manifest, and renames the folder to `step-NNNNNNNN/`: a folder with that name is complete,
+and one a killed job left behind keeps its `.tmp` name and is never read.
+
+Loading goes through DCP too, which reshards when the target state has another layout
+(other world size, FSDP <-> TP, or one full CPU model at the end). Random streams are a
+pure function of (seed, rank, step) in the loop, so no RNG state is saved.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
+import json
 import logging
+import os
 import re
+import shutil
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-from training.atomic import atomic_file
+from training.atomic import fsync_dir
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 1
-_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
-
-
-def checkpoint_path(directory: Path, step: int) -> Path:
-    return directory / f"ckpt-{step:08d}.pt"
-
-
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Newest first."""
-    if not directory.is_dir():
-        return []
-    found = [p for p in directory.iterdir() if _NAME.match(p.name)]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)), reverse=True)
-
-
-def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Write atomically (temp, fsync, rename), then its checksum, then prune old ones."""
-    buffer = io.BytesIO()
-    torch.save({"format": CHECKPOINT_FORMAT, "step": step, **state}, buffer)
-    payload = buffer.getvalue()
-    path = checkpoint_path(directory, step)
-    with atomic_file(path) as handle:
-        handle.write(payload)
-    with atomic_file(path.with_suffix(".sha256"), "w") as handle:
-        handle.write(hashlib.sha256(payload).hexdigest() + "\n")
-    for old in list_checkpoints(directory)[keep:]:
-        old.unlink(missing_ok=True)
-        old.with_suffix(".sha256").unlink(missing_ok=True)
-    return path
+CHECKPOINT_FORMAT = 2
+TRAIN_STATE = "train_state.json"
+MANIFEST = "sha256.json"
+_NAME = re.compile(r"^step-(\d{8})$")
+_TMP_NAME = re.compile(r"^step-(\d{8})\.tmp$")
 
 
 class CorruptCheckpoint(Exception):
     pass
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    payload = path.read_bytes()
-    sidecar = path.with_suffix(".sha256")
-    if not sidecar.is_file():
-        raise CorruptCheckpoint(f"{path}: checksum file {sidecar.name} is missing")
-    if hashlib.sha256(payload).hexdigest() != sidecar.read_text().strip():
-        raise CorruptCheckpoint(f"{path}: checksum mismatch (truncated or corrupt)")
+def checkpoint_dir(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:08d}"
+
+
+def _staging_dir(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:08d}.tmp"
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints (renamed from their .tmp folder), newest first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if _NAME.match(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)), reverse=True)
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _write_synced(path: Path, payload: Any) -> None:
+    with path.open("w", encoding="utf-8") as handle:
+        json.dump(payload, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The checkpoint's train state, if every file is present and matches its checksum."""
+    if not path.is_dir():
+        raise CorruptCheckpoint(f"{path}: no such checkpoint folder")
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        raise CorruptCheckpoint(f"{path}: checksum manifest {MANIFEST} is missing")
     try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, ValueError) as exc:
-        raise CorruptCheckpoint(f"{path}: cannot be loaded ({exc})") from exc
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise CorruptCheckpoint(f"{path}: format {state.get('format')} is not {CHECKPOINT_FORMAT}")
-    return state
+        manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpoint(f"{path}: {MANIFEST} cannot be read ({exc})") from exc
+    for required in (".metadata", TRAIN_STATE):
+        if required not in manifest:
+            raise CorruptCheckpoint(f"{path}: {required} is missing")
+    for name, digest in sorted(manifest.items()):
+        file = path / name
+        if not file.is_file():
+            raise CorruptCheckpoint(f"{path}: {name} is missing")
+        if _sha256(file) != digest:
+            raise CorruptCheckpoint(f"{path}: {name} fails its checksum (truncated or corrupt)")
+    train_state = json.loads((path / TRAIN_STATE).read_text(encoding="utf-8"))
+    if train_state.get("format") != CHECKPOINT_FORMAT:
+        raise CorruptCheckpoint(
+            f"{path}: {TRAIN_STATE} has format {train_state.get('format')}, not {CHECKPOINT_FORMAT}"
+        )
+    return train_state
 
 
-def load_latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+def find_latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that verifies, falling back past corrupt ones."""
     for path in list_checkpoints(directory):
         try:
-            return path, load_checkpoint(path)
+            return path, verify(path)
         except CorruptCheckpoint as exc:
             log.warning("skipping checkpoint: %s; falling back to the previous one", exc)
     return None
 
 
-def snapshot(value: Any) -> Any:
-    """A CPU copy of a (nested) state dict, safe to write while training goes on."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: snapshot(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(snapshot(v) for v in value)
-    return value
+def load_into(path: Path, state: dict[str, Any], group=None) -> None:
+    """Fill `state` in place (every rank its own shards; DCP reshards as needed)."""
+    dcp.load(state, checkpoint_id=path, process_group=group)
+
+
+def load_model_weights(path: Path, model: torch.nn.Module) -> None:
+    """Fill a full, unsharded model from the checkpoint's "model" part, in this process
+    alone (no process group): how the final model is consolidated. The optimizer's state
+    is not read."""
+    weights = model.state_dict()
+    with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+    model.load_state_dict(weights)
 
 
 class Checkpointer:
-    """Rank 0's checkpoint writer. Asynchronous by default: the loop pays only for a CPU
-    snapshot of the state; serialising, fsync and the MLflow record happen on a writer
-    thread, one save in flight at a time. `save` returns the seconds the loop stalled.
+    """One per rank. `save` returns the seconds the loop stalled: with `asynchronous`, only
+    for DCP's copy of the state into CPU memory; the writes, rank 0's checksums, rename,
+    pruning and `on_saved` (the MLflow record) happen in the background. One save is in
+    flight at a time: the next one waits for it first.
     """
 
-    def __init__(self, directory: Path, keep: int, asynchronous: bool, on_saved=None) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
+    def __init__(
+        self,
+        directory: Path,
+        keep: int,
+        asynchronous: bool,
+        *,
+        is_main: bool,
+        group=None,
+        on_saved=None,
+    ) -> None:
         self.directory, self.keep, self.asynchronous = directory, keep, asynchronous
-        self.on_saved = on_saved
-        self._pool = (
-            ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if asynchronous else None
+        self.is_main, self.group, self.on_saved = is_main, group, on_saved
+        # Rank 0's finishing work (checksums, rename) waits on DCP's future off the loop.
+        self._finisher = (
+            ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+            if asynchronous and is_main
+            else None
         )
-        self._pending = None
+        self._pending: Future | None = None
         self.last_step: int | None = None
         self.stall_seconds = 0.0
 
     @classmethod
-    def for_rank(cls, topo, directory: Path, runtime, tracker) -> Checkpointer | NullCheckpointer:
-        """Rank 0 writes checkpoints (every rank holds the same replica); others don't."""
-        if not topo.is_main:
-            return NullCheckpointer()
+    def for_job(cls, topo, directory: Path, runtime, tracker) -> Checkpointer:
+        group = None
+        if runtime.async_checkpoint and dist.is_available() and dist.is_initialized():
+            # The background save runs collectives; on a group of its own they never
+            # interleave with the loop's on the default group. gloo, because async_save
+            # needs a CPU backend (an NCCL-only default group is refused, even on 1 rank).
+            # A collective: every rank creates its Checkpointer at the same point.
+            group = dist.new_group(backend="gloo")
         return cls(
-            directory, runtime.keep_checkpoints, runtime.async_checkpoint, tracker.log_checkpoint
+            directory,
+            runtime.keep_checkpoints,
+            runtime.async_checkpoint,
+            is_main=topo.is_main,
+            group=group,
+            on_saved=tracker.log_checkpoint,
         )
 
-    def _write(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> Path:
-        path = save_checkpoint(self.directory, step, state, self.keep)
-        if self.on_saved is not None:
-            self.on_saved(path, step, metrics)
-        return path
-
-    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> float:
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        train_state: dict[str, Any],
+        metrics: dict[str, float],
+    ) -> float:
         """Checkpoint `step` (once: a second save of the same step is skipped)."""
-        import time
-
         if step == self.last_step:
             return 0.0
         started = time.perf_counter()
         self.wait()
-        if self._pool is None:
-            self._write(step, state, metrics)
+        staging = _staging_dir(self.directory, step)
+        if self.is_main:
+            # A torn save of this step by a killed attempt. Safe to remove: no rank writes
+            # data before rank 0 has joined the save's planning, which comes after this.
+            shutil.rmtree(staging, ignore_errors=True)
+        finish_args = (step, staging, dict(train_state), dict(metrics))
+        if self.asynchronous:
+            # async_save copies every tensor (CPU ones too) into its own CPU buffers
+            # before it returns, so training may change the parameters right away.
+            future = dcp.async_save(state, checkpoint_id=staging, process_group=self.group)
+            if self.is_main:
+                future = self._finisher.submit(self._finish_after, future, *finish_args)
+            self._pending = future
         else:
-            self._pending = self._pool.submit(self._write, step, snapshot(state), dict(metrics))
+            dcp.save(state, checkpoint_id=staging, process_group=self.group)
+            if self.is_main:
+                self._finish(*finish_args)
         self.last_step = step
         stalled = time.perf_counter() - started
         self.stall_seconds += stalled
         return stalled
 
+    def _finish_after(self, saved: Future, *finish_args) -> Path:
+        saved.result()
+        return self._finish(*finish_args)
+
+    def _finish(
+        self, step: int, staging: Path, train_state: dict, metrics: dict[str, float]
+    ) -> Path:
+        """Rank 0, once every rank's shards and DCP's .metadata are written."""
+        _write_synced(staging / TRAIN_STATE, {**train_state, "format": CHECKPOINT_FORMAT})
+        manifest = {
+            file.name: _sha256(file)
+            for file in sorted(staging.iterdir())
+            if file.is_file() and file.name != MANIFEST
+        }
+        _write_synced(staging / MANIFEST, manifest)
+        fsync_dir(staging)
+        path = checkpoint_dir(self.directory, step)
+        if path.exists():  # the same step saved by an earlier attempt: the new one wins
+            shutil.rmtree(path)
+        os.replace(staging, path)
+        fsync_dir(self.directory)
+        self._prune(step)
+        if self.on_saved is not None:
+            self.on_saved(path, step, metrics)
+        return path
+
+    def _prune(self, step: int) -> None:
+        for old in list_checkpoints(self.directory)[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
+        for torn in self.directory.iterdir():
+            match = _TMP_NAME.match(torn.name)
+            if match and int(match.group(1)) < step:
+                shutil.rmtree(torn, ignore_errors=True)
+
     def wait(self) -> None:
-        """Block until the save in flight is on disk; re-raise its error if it failed."""
+        """Block until the save in flight is complete on this rank; re-raise its error."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
 
     def close(self) -> None:
-        self.wait()
-        if self._pool is not None:
-            self._pool.shutdown()
-
-
-class NullCheckpointer:
-    """What ranks other than 0 hold: saving is rank 0's side effect."""
-
-    stall_seconds = 0.0
-
-    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> float:
-        return 0.0
-
-    def close(self) -> None:
-        pass
+        try:
+            self.wait()
+        finally:
+            if self._finisher is not None:
+                self._finisher.shutdown()

@@ -29,6 +29,8 @@ class Heartbeat:
         self.rank = rank
         self.step, self.phase, self.since = 0, "start", time.time()
         self._stop = threading.Event()
+        # The beat thread, close() and a failure's final flush all write the same file.
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
         self._write()
         self._thread.start()
@@ -42,8 +44,9 @@ class Heartbeat:
     def _write(self) -> None:
         payload = {"rank": self.rank, "step": self.step, "phase": self.phase, "since": self.since}
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(payload))
-        os.replace(tmp, self.path)
+        with self._lock:
+            tmp.write_text(json.dumps(payload))
+            os.replace(tmp, self.path)
 
     def _run(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):

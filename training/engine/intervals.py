@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from training.engine.timing import StepTimes, find_stragglers, gather_times, interval_metrics
-from training.engine.topology import Topology, all_reduce_sum
+from training.engine.topology import Topology, reduce_over_shares
 from training.tracking import system_metrics
 
 log = logging.getLogger("gradline.train")
@@ -32,7 +32,9 @@ class IntervalLog:
         if final and not self.losses:
             return
         topo, first = self.topo, step - len(self.losses) + 1
-        losses = all_reduce_sum(torch.stack(self.losses).double().cpu()) / topo.world_size
+        # Each data-parallel share's loss once (not once per tensor-parallel rank or
+        # pipeline stage), averaged over the shares.
+        losses = reduce_over_shares(torch.stack(self.losses).double().cpu(), topo) / topo.dp_size
         ranks = gather_times(self.times, topo.world_size)
         self.tracker.log_series("train_loss", first, losses.tolist())
         metrics = {"lr": lr, **interval_metrics(ranks)}

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from training.config import Config
+from training.engine.consolidate import consolidate_model
 from training.engine.health import clear, describe, read_beats, read_failures
 from training.engine.loop import TrainJob, worker_main
 from training.errors import CRASH_EXIT_CODE, PREEMPTED_EXIT_CODE, GradlineError
@@ -76,7 +78,8 @@ def _explain(exc: Exception, health_dir: Path, attempts: int) -> str:
 
 
 def launch_workers(job: TrainJob, world_size: int, max_restarts: int) -> dict[str, Any]:
-    """Run `worker_main(job)` on `world_size` local ranks; return rank 0's result."""
+    """Run `worker_main(job)` on `world_size` local ranks, then consolidate the trained
+    model into `job.model_dir` from the final checkpoint; return rank 0's result."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -110,4 +113,6 @@ def launch_workers(job: TrainJob, world_size: int, max_restarts: int) -> dict[st
             f"stopped on request at step {result['step']}; checkpoint saved in "
             f"{job_dir.path}. Run the same job again to resume"
         )
+    cfg = Config.model_validate(job.config)
+    consolidate_model(cfg, Path(job.shard_dir), job_dir.path, Path(job.model_dir), result["step"])
     return result

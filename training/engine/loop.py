@@ -1,12 +1,13 @@
 """The training loop each worker runs.
 
 Read `train` top to bottom: set up (data, model, objective, parallelism), resume, then
-steps. Each step reads this rank's slice of a global batch, runs forward and backward
-(under DDP the gradients are all-reduced during backward: a synchronous update), and
-steps the optimizer. Every `log_every_steps` the ranks exchange their time breakdown and
-losses; every `checkpoint_every_steps` rank 0 checkpoints; every `control_every_steps`
-the ranks agree on whether the job was asked to stop (preemption). Side effects go
-through the tracker (a no-op off rank 0) and rank 0's checkpointer.
+steps. Each step reads this rank's slice of a global batch (ranks of one tensor- or
+pipeline-parallel group read the same slice), runs forward and backward through the
+layout `parallelize` chose (DDP, FSDP2/TP, or a pipeline schedule: all synchronous
+updates), and steps the optimizer. Every `log_every_steps` the ranks exchange their time
+breakdown and losses; every `checkpoint_every_steps` every rank writes its shard of a
+distributed checkpoint; every `control_every_steps` the ranks agree on whether the job
+was asked to stop (preemption). Tracking goes through the tracker (a no-op off rank 0).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,13 +26,19 @@ from training.config import Config
 from training.data.loader import LoaderPosition, RankLoader, open_reader, strided_rows
 from training.data.shards import read_manifest
 from training.data.spec import DataSpec
-from training.engine.checkpoint import Checkpointer, load_checkpoint, load_latest
+from training.engine.checkpoint import Checkpointer, find_latest, load_into, verify
 from training.engine.health import record_failure
 from training.engine.instruments import Instruments
 from training.engine.intervals import IntervalLog
 from training.engine.parallelize import Parallelized, parallelize
 from training.engine.schedule import lr_at
-from training.engine.topology import Topology, all_reduce_sum, broadcast_object, process_group
+from training.engine.topology import (
+    Topology,
+    all_reduce_sum,
+    broadcast_object,
+    process_group,
+    reduce_over_shares,
+)
 from training.errors import ConfigError
 from training.objectives import Objective, objective_for
 from training.progress import Progress
@@ -59,7 +65,7 @@ def worker_main(job: TrainJob) -> dict[str, Any] | None:
     """Entry point of each worker process started by torch.distributed.elastic."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = Config.model_validate(job.config)
-    topo = Topology.from_env(cfg.runtime.backend)
+    topo = Topology.from_env(cfg.runtime.backend).with_mesh(cfg.layout())
     # N workers share the machine's cores: cap each so they don't oversubscribe.
     torch.set_num_threads(cfg.runtime.threads_per_worker)
     _set_determinism(cfg, topo)
@@ -107,9 +113,10 @@ def _autocast(cfg: Config, topo: Topology) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
 
 
-def _step_seed(seed: int, rank: int, step: int) -> int:
-    # Random streams (dropout) depend only on (seed, rank, step): resume needs no RNG state.
-    return hash((seed, rank, step)) & 0x7FFF_FFFF_FFFF
+def _step_seed(seed: int, dp_rank: int, step: int) -> int:
+    # Random streams (dropout) depend only on (seed, data-parallel rank, step): resume
+    # needs no RNG state, and the ranks of one tensor-parallel group draw the same masks.
+    return hash((seed, dp_rank, step)) & 0x7FFF_FFFF_FFFF
 
 
 @dataclass
@@ -123,7 +130,7 @@ class Setup:
     val_rows: Any
     objective: Objective
     model: Parallelized
-    optimizer: torch.optim.Optimizer
+    optimizer: Any  # OptimizerGroup: one optimizer per model part
     total_steps: int
     sampler: Any  # language models: model -> sampled continuations of fixed prompts
 
@@ -142,12 +149,13 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         seed=cfg.train.seed,
     )
     val_reader = open_reader(shard_dir, manifest, "val", context=context)
-    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
-    model = parallelize(build_model(cfg.model, cfg.task.type, data), topo, cfg.train.compile)
-    optim = cfg.optim
-    optimizer = torch.optim.AdamW(
-        model.module.parameters(), lr=optim.lr, weight_decay=optim.weight_decay
-    )
+    objective = objective_for(cfg.task.type, data, _token_bytes(shard_dir, manifest))
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+        return build_model(cfg.model, cfg.task.type, data)
+
+    model = parallelize(build, cfg, topo, objective.loss)
     total = cfg.train.epochs * loader.batches_per_epoch
     return Setup(
         manifest=manifest,
@@ -155,9 +163,9 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         loader=loader,
         val_reader=val_reader,
         val_rows=strided_rows(val_reader.num_rows, topo.dp_size, topo.dp_rank),
-        objective=objective_for(cfg.task.type, data, _token_bytes(shard_dir, manifest)),
+        objective=objective,
         model=model,
-        optimizer=optimizer,
+        optimizer=model.optimizer,
         total_steps=min(total, cfg.train.max_steps or total),
         sampler=_sampler(cfg, shard_dir, manifest, context),
     )
@@ -193,61 +201,67 @@ def _sampler(cfg: Config, shard_dir: Path, manifest: dict[str, Any], context: in
 
 
 def resume(setup: Setup, topo: Topology, job_dir: JobDir) -> tuple[LoaderPosition, int, str]:
-    """Rank 0 picks the checkpoint, so every rank resumes from the same one."""
-    found = load_latest(job_dir.path) if topo.is_main else None
+    """Rank 0 picks the newest complete checkpoint, so every rank resumes from the same
+    one; each rank then loads its own shards of it, whatever layout wrote it."""
+    found = find_latest(job_dir.path) if topo.is_main else None
     resume_from = broadcast_object(str(found[0]) if found else None, topo)
     if not resume_from:
         return LoaderPosition(), 0, ""
-    state = found[1] if found else load_checkpoint(Path(resume_from))
-    setup.model.module.load_state_dict(state["model"])
-    setup.optimizer.load_state_dict(state["optimizer"])
-    step = int(state["step"])
+    train_state = found[1] if found else verify(Path(resume_from))
+    state = setup.model.state
+    shards = state.state_dict()  # this layout's shards, filled in place from the checkpoint
+    load_into(Path(resume_from), shards)
+    state.load_state_dict(shards)
+    step = int(train_state["step"])
     log.info("rank %d resumed from %s at step %d", topo.rank, resume_from, step)
-    return LoaderPosition.from_state_dict(state["loader"]), step, resume_from
+    return LoaderPosition.from_state_dict(train_state["loader"]), step, resume_from
 
 
 def train_step(cfg: Config, setup: Setup, topo: Topology, batch, step: int, inst) -> torch.Tensor:
     """One optimizer step on this rank's share of a global batch; returns its mean loss."""
     x, y = batch
-    model, accum = setup.model, cfg.train.grad_accum_steps
+    model = setup.model
+    measure = (step + 1) % cfg.runtime.log_every_steps == 0  # sample communication
     with inst.phase("compute", step):
-        torch.manual_seed(_step_seed(cfg.train.seed, topo.rank, step))
-        loss_sum = torch.zeros((), device=topo.device)
-        micro = zip(x.chunk(accum), y.chunk(accum), strict=True)
-        for i, (xm, ym) in enumerate(micro):
-            last = i == accum - 1
-            # Only the last micro-batch synchronises; the others accumulate locally.
-            with contextlib.nullcontext() if last else model.no_sync(), _autocast(cfg, topo):
-                loss = setup.objective.loss(model.forward(xm).float(), ym) / accum
-            if last:
-                inst.collective(step)
-            backward_started = time.perf_counter()
-            loss.backward()
-            loss_sum += loss.detach()
-        waited = model.exposed_sync_wait(backward_started)
-    inst.move(waited, "compute", "sync_wait")
+        torch.manual_seed(_step_seed(cfg.train.seed, topo.dp_rank, step))
+        inst.collective(step)
+        outcome = model.forward_backward(
+            x,
+            y,
+            setup.objective.loss,
+            cfg.train.grad_accum_steps,
+            lambda: _autocast(cfg, topo),
+            measure,
+        )
+    inst.move(outcome.sync_wait, "compute", "sync_wait")
+    inst.move(outcome.bubble, "compute", "pipeline_bubble")
     with inst.phase("optimizer", step):
         for group in setup.optimizer.param_groups:
             group["lr"] = lr_at(step, setup.total_steps, cfg.optim)
         if cfg.optim.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.module.parameters(), cfg.optim.grad_clip)
+            model.clip_grad_norm(cfg.optim.grad_clip)
         setup.optimizer.step()
         setup.optimizer.zero_grad(set_to_none=True)
     inst.step_done()
-    return loss_sum
+    return outcome.loss
 
 
 def validate(cfg: Config, setup: Setup, topo: Topology) -> dict[str, float]:
-    """The task's validation metrics over the whole split, every rank scoring its rows."""
-    return setup.objective.score(
-        setup.model.module,
-        setup.val_reader,
-        setup.val_rows,
-        cfg.evaluate.batch_size,
-        topo.device,
-        reduce=all_reduce_sum,
-        prefix="val",
-    )
+    """The task's validation metrics over the whole split, each data-parallel share
+    scoring its rows (under a pipeline, the last stage scores)."""
+    setup.model.train(False)
+    try:
+        return setup.objective.score(
+            setup.model.forward,
+            setup.val_reader,
+            setup.val_rows,
+            cfg.evaluate.batch_size,
+            topo.device,
+            reduce=lambda stats: reduce_over_shares(stats, topo),
+            prefix="val",
+        )
+    finally:
+        setup.model.train(True)
 
 
 def _preempt_requested(job_dir: JobDir) -> bool:
@@ -262,27 +276,31 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
     position, step, resumed_from = resume(setup, topo, job_dir)
     inst = Instruments(job_dir, topo.rank)
     intervals = IntervalLog(cfg, topo, setup, tracker, inst.times)
-    checkpointer = Checkpointer.for_rank(topo, job_dir.path, rt, tracker)
+    checkpointer = Checkpointer.for_job(topo, job_dir.path, rt, tracker)
     checkpointer.last_step = step  # what we resumed from is on disk already
     progress = Progress("train", setup.total_steps, "steps", done=step) if topo.is_main else None
     on_gpu, preempted, started_at = topo.device.type == "cuda", False, step
 
     def save() -> None:
-        state = {
-            "model": setup.model.module.state_dict(),
-            "optimizer": setup.optimizer.state_dict(),
+        train_state = {
+            "step": step,
             "loader": position.state_dict(),
             "world_size": topo.world_size,
+            "mesh": topo.mesh,
         }
         with inst.phase("checkpoint_stall", step):
-            checkpointer.save(step, state, intervals.last)
+            checkpointer.save(step, setup.model.state.state_dict(), train_state, intervals.last)
 
     def evaluate(epoch: int) -> None:
         inst.collective(step)
         intervals.log_validation(validate(cfg, setup, topo), step, epoch)
-        if setup.sampler is not None and topo.is_main:
-            text = setup.sampler(setup.model.module)
-            tracker.log_text(text, f"samples/step-{step:08d}.txt")
+        # Sampling runs the whole model: on every rank together when it is sharded, and
+        # not at all when it is cut into pipeline stages.
+        whole = setup.model.whole
+        if setup.sampler is not None and whole is not None:
+            text = setup.sampler(whole)
+            if topo.is_main:
+                tracker.log_text(text, f"samples/step-{step:08d}.txt")
 
     for epoch in range(position.epoch, cfg.train.epochs):
         start = position.batch_index if epoch == position.epoch else 0
@@ -335,15 +353,4 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
         return {"preempted": True, "step": step}
     if not topo.is_main:
         return None
-    save_trained_model(setup, cfg, Path(job.shard_dir), Path(job.model_dir))
     return intervals.result(step, inst, checkpointer.stall_seconds)
-
-
-def save_trained_model(setup: Setup, cfg: Config, shard_dir: Path, model_dir: Path) -> None:
-    """The final weights, what rebuilds them and, for language models, the tokenizer."""
-    from training.models import ModelSpec, save_model_dir
-
-    spec = ModelSpec(task=cfg.task.type, model=cfg.model.model_dump(), data=setup.data.to_dict())
-    tokenizer = setup.manifest.get("tokenizer") or {}
-    tokenizer_file = shard_dir / tokenizer["file"] if tokenizer.get("file") else None
-    save_model_dir(setup.model.module, spec, model_dir, tokenizer_file)

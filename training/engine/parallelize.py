@@ -1,10 +1,19 @@
-"""Parallelism is applied to a built model here and nowhere else.
+"""Parallelism is applied to the model here and nowhere else.
 
-The loop receives a `Parallelized` model: the bare module (its state is what checkpoints
-and the registry hold), what to call for the forward pass, how to skip gradient
-synchronisation for accumulation micro-batches, and how long backward waited for the
-other ranks. Today's layout is synchronous data parallelism (DDP): every rank holds a
-full replica and gradients are all-reduced during every backward pass.
+`parallelize` reads the job's mesh (parallel section) and returns a `Parallelized`
+model: this rank's model parts with their optimizers, and how to run one step's forward
+and backward on this rank's share of a batch. Three layouts:
+
+- `DataParallel`: every rank holds the whole model; DDP all-reduces gradients during
+  backward (the default, and what nothing sharded or split means).
+- `Sharded`: tensor parallelism (tp), then activation checkpointing, then FSDP2 over the
+  data-parallel ranks (dp_shard; HSDP when dp_replicate > 1 too). Each rank holds a
+  shard of the parameters, gradients and optimizer state.
+- `Pipelined`: the model cut into stages (pp); each stage may itself be tensor-parallel
+  and sharded as above.
+
+The order, pipeline split -> tensor plan -> activation checkpointing -> FSDP, is the
+one that composes: each step wraps what the previous produced.
 """
 
 from __future__ import annotations
@@ -18,36 +27,225 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from training.engine.comm import CommMeter
+from training.engine.pipeline import Pipeline, cut_stage, stage_indices
+from training.engine.sharding import (
+    apply_activation_checkpointing,
+    apply_fsdp,
+    apply_tensor_parallel,
+    average_gradients,
+)
+from training.engine.state import OptimizerGroup, TrainState, clip_grad_norm
 from training.engine.timing import SyncTimer
 from training.engine.topology import Topology
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 @dataclass
+class StepResult:
+    loss: torch.Tensor  # this rank's mean loss (zero where the rank computes none)
+    sync_wait: float  # seconds waiting for other ranks in collectives
+    bubble: float = 0.0  # seconds a pipeline stage waited for its neighbours
+
+
 class Parallelized:
-    module: nn.Module  # the bare model: state_dict, saving, evaluation
-    forward: Callable[[torch.Tensor], torch.Tensor]  # wrapped (and maybe compiled)
-    wrapper: DistributedDataParallel
-    sync_timer: SyncTimer
-    world_size: int
+    """This rank's model parts, their optimizers, and one step's forward and backward."""
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        """Accumulate gradients locally: the micro-batches before the last one."""
-        return self.wrapper.no_sync()
+    parts: list[nn.Module]
+    optimizer: OptimizerGroup
+    pp_group = None
 
-    def exposed_sync_wait(self, backward_started: float) -> float:
-        """Seconds that backward, just finished, spent waiting for the other ranks after
-        launching its last gradient bucket (communication not hidden behind compute)."""
+    @property
+    def whole(self) -> nn.Module | None:
+        """The whole model, callable on every rank together (None when pipelined)."""
+        return self.parts[0]
+
+    @property
+    def state(self) -> TrainState:
+        return TrainState(self.parts, self.optimizer)
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Validation: the whole model's output (None on ranks that produce none)."""
+        return self.whole(x)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm(self.parts, max_norm, self.pp_group)
+
+    def forward_backward(
+        self, x, y, loss_fn: LossFn, accum: int, autocast, measure_comm: bool
+    ) -> StepResult:
+        raise NotImplementedError
+
+
+class DataParallel(Parallelized):
+    """DDP: a full replica per rank, gradients all-reduced in buckets during backward,
+    timed by a communication hook (what backward waits after its last bucket)."""
+
+    def __init__(self, model: nn.Module, topo: Topology, compile_model: bool, optim) -> None:
+        device_ids = [topo.device.index] if topo.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(model, device_ids=device_ids)
+        self.timer = SyncTimer(topo.world_size)
+        self.ddp.register_comm_hook(None, self.timer.hook)
+        self.call = torch.compile(self.ddp) if compile_model else self.ddp
+        self.parts, self.world_size = [model], topo.world_size
+        self.optimizer = OptimizerGroup(self.parts, optim.lr, optim.weight_decay)
+
+    def forward_backward(self, x, y, loss_fn, accum, autocast, measure_comm) -> StepResult:
+        loss_sum = torch.zeros((), device=x.device)
+        backward_started = time.perf_counter()
+        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+            last = i == accum - 1
+            # Only the last micro-batch synchronises; the others accumulate locally.
+            with contextlib.nullcontext() if last else self.ddp.no_sync(), autocast():
+                loss = loss_fn(self.call(xm).float(), ym) / accum
+            backward_started = time.perf_counter()
+            loss.backward()
+            loss_sum += loss.detach()
+        return StepResult(loss_sum, self._exposed_wait(backward_started))
+
+    def _exposed_wait(self, backward_started: float) -> float:
+        """Seconds the last backward spent waiting for the other ranks after launching
+        its last gradient bucket (communication not hidden behind compute)."""
         if self.world_size == 1:
             return 0.0
-        return max(0.0, time.perf_counter() - max(self.sync_timer.last_launch, backward_started))
+        return max(0.0, time.perf_counter() - max(self.timer.last_launch, backward_started))
 
 
-def parallelize(model: nn.Module, topo: Topology, compile_model: bool = False) -> Parallelized:
-    """Wrap `model` for this job's layout: DDP over all ranks, timed by a comm hook."""
-    model.to(topo.device)
-    device_ids = [topo.device.index] if topo.device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids)
-    timer = SyncTimer(topo.world_size)
-    ddp.register_comm_hook(None, timer.hook)
-    forward = torch.compile(ddp) if compile_model else ddp
-    return Parallelized(model, forward, ddp, timer, topo.world_size)
+class _Metered(Parallelized):
+    """Layouts whose communication happens inside forward and backward (all-gathers,
+    reduce-scatters, tensor-parallel all-reduces): its time is counted by a CommMeter on
+    sampled steps, and the latest sample stands for the steps in between."""
+
+    comm_seconds = 0.0
+
+    @contextlib.contextmanager
+    def _metered(self, measure: bool):
+        if not measure:
+            yield
+            return
+        with CommMeter() as meter:
+            yield
+        self.comm_seconds = meter.seconds
+
+
+class Sharded(_Metered):
+    """Tensor parallelism and/or FSDP2 (HSDP) over one model."""
+
+    def __init__(self, model: nn.Module, mesh, topo: Topology, par, optim) -> None:
+        shape_model(model, mesh, topo, par, pipelined=False)
+        self.parts, self.mesh, self.topo = [model], mesh, topo
+        self.optimizer = OptimizerGroup(self.parts, optim.lr, optim.weight_decay)
+
+    def forward_backward(self, x, y, loss_fn, accum, autocast, measure_comm) -> StepResult:
+        model, fsdp = self.parts[0], self.topo.mesh["dp_shard"] > 1
+        loss_sum = torch.zeros((), device=x.device)
+        with self._metered(measure_comm):
+            for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+                if fsdp:  # reduce-scatter only after the last micro-batch
+                    model.set_requires_gradient_sync(i == accum - 1)
+                with autocast():
+                    loss = loss_fn(model(xm).float(), ym) / accum
+                loss.backward()
+                loss_sum += loss.detach()
+            replicate_gradients(self.parts, self.mesh, self.topo)
+        return StepResult(loss_sum, self.comm_seconds)
+
+
+class Pipelined(_Metered):
+    """Pipeline stages (each possibly tensor-parallel and sharded) run by a schedule."""
+
+    def __init__(self, build, mesh, topo: Topology, par, optim, stages: int, loss_fn) -> None:
+        pp_rank = topo.coordinate("pp")
+        indices = stage_indices(pp_rank, topo.mesh["pp"], stages)
+        self.parts = []
+        for index in indices:
+            part = cut_stage(build(), index, stages).to(topo.device)
+            shape_model(part, mesh, topo, par, pipelined=True)
+            self.parts.append(part)
+        self.mesh, self.topo, self.pp_group = mesh, topo, mesh["pp"].get_group()
+        self.optimizer = OptimizerGroup(self.parts, optim.lr, optim.weight_decay)
+        self.pipeline = Pipeline(
+            self.parts,
+            indices,
+            stages,
+            par.pp_schedule,
+            par.pp_microbatches,
+            loss_fn,
+            self.pp_group,
+            topo.device,
+        )
+
+    @property
+    def whole(self) -> None:
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.pipeline.forward(x)
+
+    def forward_backward(self, x, y, loss_fn, accum, autocast, measure_comm) -> StepResult:
+        with self._metered(measure_comm), autocast():
+            loss, wall, compute = self.pipeline.step(x, y)
+            started = time.perf_counter()
+            replicate_gradients(self.parts, self.mesh, self.topo)
+            replicated = time.perf_counter() - started
+        # Idle time in the schedule is the bubble; collectives inside the stages'
+        # compute (tp, fsdp) are sync wait, as sampled.
+        inner = min(self.comm_seconds, compute)
+        bubble = max(0.0, wall - compute)
+        loss = loss if loss is not None else torch.zeros((), device=x.device)
+        return StepResult(loss, inner + replicated, bubble)
+
+
+def shape_model(model: nn.Module, mesh, topo: Topology, par, pipelined: bool) -> None:
+    """Tensor plan, activation checkpointing, then FSDP2, on one model part, in place."""
+    if topo.mesh["tp"] > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    if par.activation_checkpointing == "block":
+        apply_activation_checkpointing(model)
+    if topo.mesh["dp_shard"] > 1:
+        param_dtype = par.param_dtype
+        if param_dtype == "auto":
+            param_dtype = "bf16" if topo.device.type == "cuda" else "fp32"
+        dims = ("dp_replicate", "dp_shard") if topo.mesh["dp_replicate"] > 1 else ("dp_shard",)
+        # Under a pipeline each micro-batch would all-gather again: keep the blocks
+        # gathered from forward to backward instead.
+        apply_fsdp(model, mesh[dims], param_dtype, par.reduce_dtype, not pipelined)
+
+
+def replicate_gradients(parts: list[nn.Module], mesh, topo: Topology) -> None:
+    """Replicas not joined by FSDP (dp_replicate without dp_shard) average here."""
+    if topo.mesh["dp_replicate"] > 1 and topo.mesh["dp_shard"] == 1:
+        average_gradients(parts, mesh["dp_replicate"].get_group(), topo.mesh["dp_replicate"])
+
+
+def build_mesh(topo: Topology):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from training.config import MESH_DIMS
+
+    return init_device_mesh(
+        topo.device.type,
+        tuple(topo.mesh[d] for d in MESH_DIMS),
+        mesh_dim_names=MESH_DIMS,
+    )
+
+
+def is_plain_data_parallel(mesh: dict[str, int]) -> bool:
+    return mesh["dp_shard"] == 1 and mesh["tp"] == 1 and mesh["pp"] == 1
+
+
+def parallelize(build: Callable[[], nn.Module], cfg, topo: Topology, loss_fn) -> Parallelized:
+    """This rank's share of the model for the job's layout. `build()` returns a freshly
+    initialised whole model, the same on every rank (seeded)."""
+    if is_plain_data_parallel(topo.mesh):
+        model = build().to(topo.device)
+        return DataParallel(model, topo, cfg.train.compile, cfg.optim)
+    mesh = build_mesh(topo)
+    if topo.mesh["pp"] > 1:
+        return Pipelined(build, mesh, topo, cfg.parallel, cfg.optim, cfg.pipeline_stages(), loss_fn)
+    return Sharded(build().to(topo.device), mesh, topo, cfg.parallel, cfg.optim)

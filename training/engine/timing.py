@@ -1,10 +1,13 @@
 """Where the time goes, per rank, and who is the straggler.
 
 Each step is cut into phases: waiting for data, forward+backward compute, exposed
-gradient-synchronisation wait, optimizer step and checkpoint stall. Synchronisation is
-measured by a DDP communication hook that all-reduces exactly like DDP's default (mean
-of gradients) and notes when the last bucket was launched: what backward spends after
-that is time waiting for the other ranks (communication not hidden behind compute).
+synchronisation wait, the pipeline's bubble, optimizer step and checkpoint stall. Under
+DDP, synchronisation is measured by a communication hook that all-reduces exactly like
+DDP's default (mean of gradients) and notes when the last bucket was launched: what
+backward spends after that is time waiting for the other ranks (communication not
+hidden behind compute). Under FSDP, tensor and pipeline parallelism, the time inside
+collectives is sampled (training.engine.comm); a pipeline stage's idle time in its
+schedule is its bubble.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-PHASES = ("data_wait", "compute", "sync_wait", "optimizer", "checkpoint_stall")
+PHASES = ("data_wait", "compute", "sync_wait", "pipeline_bubble", "optimizer", "checkpoint_stall")
+# Phases in which a rank waits for others: not its own work.
+WAITING = ("sync_wait", "pipeline_bubble")
 
 
 class SyncTimer:
@@ -59,14 +64,14 @@ class StepTimes:
 class RankTimes:
     rank: int
     per_step: dict[str, float]  # seconds per step in each phase
-    busy: float  # seconds per step not spent waiting for other ranks
+    busy: float  # seconds per step not spent waiting for other ranks (sync, bubble)
 
     @classmethod
     def from_vector(cls, rank: int, row: list[float]) -> RankTimes:
         steps = max(row[len(PHASES)], 1.0)
         per_step = {p: row[i] / steps for i, p in enumerate(PHASES)}
         per_step["wall"] = row[len(PHASES) + 1] / steps
-        return cls(rank, per_step, per_step["wall"] - per_step["sync_wait"])
+        return cls(rank, per_step, per_step["wall"] - sum(per_step[p] for p in WAITING))
 
 
 def gather_times(times: StepTimes, world_size: int) -> list[RankTimes]:

@@ -1,9 +1,9 @@
 """Topology and process-group lifecycle: the one place that sets torch.distributed up.
 
 `Topology` is this worker's place in the job: global rank, world size, device, and its
-data-parallel coordinates (which share of each global batch it reads). Today every rank
-is its own data-parallel replica; tensor- and pipeline-parallel groups, whose ranks
-read the same rows, will give the same data-parallel coordinates to several ranks.
+coordinates on the job's device mesh (pp, dp_replicate, dp_shard, tp; ranks laid out
+with tp varying fastest). The data-parallel coordinates say which share of each global
+batch a rank reads: ranks of one tensor- or pipeline-parallel group read the same rows.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from training.config import MESH_DIMS
 from training.errors import ConfigError
 
 
@@ -29,6 +30,23 @@ class Topology:
     local_rank: int
     backend: str
     device: torch.device
+    # Mesh sizes (pp, dp_replicate, dp_shard, tp); plain data parallelism until set.
+    mesh: dict[str, int] = field(default_factory=dict)
+
+    def with_mesh(self, mesh: dict[str, int]) -> Topology:
+        return replace(self, mesh=dict(mesh))
+
+    def _size(self, dim: str) -> int:
+        return self.mesh.get(dim, self.world_size if dim == "dp_replicate" else 1)
+
+    def coordinate(self, dim: str) -> int:
+        """This rank's index along `dim` (the mesh is row-major in MESH_DIMS order)."""
+        inner = 1
+        for d in reversed(MESH_DIMS):
+            if d == dim:
+                return (self.rank // inner) % self._size(d)
+            inner *= self._size(d)
+        raise KeyError(dim)
 
     @property
     def is_main(self) -> bool:
@@ -37,12 +55,21 @@ class Topology:
     @property
     def dp_rank(self) -> int:
         """Which share of each global batch this rank reads."""
-        return self.rank
+        return self.coordinate("dp_replicate") * self._size("dp_shard") + self.coordinate(
+            "dp_shard"
+        )
 
     @property
     def dp_size(self) -> int:
         """How many shares each global batch is cut into."""
-        return self.world_size
+        return self._size("dp_replicate") * self._size("dp_shard")
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank's losses and metrics count: one rank per data-parallel share
+        (tensor-parallel rank 0 of the last pipeline stage), so shares count once."""
+        last_stage = self.coordinate("pp") == self._size("pp") - 1
+        return last_stage and self.coordinate("tp") == 0
 
     @classmethod
     def from_env(cls, backend: str = "auto") -> Topology:
@@ -99,6 +126,13 @@ def _attempt_store(topo: Topology, timeout: timedelta) -> dist.Store | None:
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def reduce_over_shares(tensor: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """Sum a per-rank statistic over the data-parallel shares, each counted once."""
+    if not topo.reports:
+        tensor.zero_()
+    return all_reduce_sum(tensor)
 
 
 def broadcast_object(value: object, topo: Topology) -> object:

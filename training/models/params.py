@@ -96,3 +96,41 @@ def check_model_task(name: str | None, task: str) -> None:
         raise ValueError(
             f"model {name} cannot learn task {task}; for {task} use model.name {' or '.join(fits)}"
         )
+
+
+# What each built-in can be split by, besides data parallelism (DDP, FSDP): gpt has
+# blocks to shard by columns and rows (tp) and to cut into pipeline stages (pp).
+LAYOUTS = {"mlp": frozenset(), "cnn": frozenset(), "gpt": frozenset({"tp", "pp"})}
+
+
+def check_model_layout(
+    name: str | None, options: dict[str, Any], mesh: dict[str, int], stages: int
+) -> None:
+    """Raise ValueError naming the keys when the model cannot take this mesh."""
+    for dim in ("tp", "pp"):
+        if mesh[dim] > 1 and dim not in LAYOUTS.get(name, frozenset()):
+            raise ValueError(
+                f"model {name} supports data parallelism only (parallel.dp_replicate, "
+                f"parallel.dp_shard), not parallel.{dim}={mesh[dim]}: tensor and pipeline "
+                "parallelism need a model with blocks and a plan, e.g. model.name: gpt"
+            )
+    if name != "gpt":
+        return
+    gpt = parse_model_options(name, options)
+    tp, pp = mesh["tp"], mesh["pp"]
+    if gpt.heads % tp:
+        raise ValueError(
+            f"parallel.tp={tp} needs model.heads divisible by {tp} (got {gpt.heads}): each "
+            "tensor-parallel rank holds whole attention heads"
+        )
+    if pp > 1 and gpt.layers < stages:
+        raise ValueError(
+            f"parallel.pp={pp} cuts the model into {stages} stages and needs at least "
+            f"{stages} blocks (model.layers is {gpt.layers}); raise model.layers or lower "
+            "parallel.pp (or pp_stages_per_rank)"
+        )
+    if pp > 1 and gpt.tied_embeddings:
+        raise ValueError(
+            "parallel.pp > 1 puts the embedding and the output layer on different stages, "
+            "so they cannot share weights: set model.tied_embeddings: false"
+        )

@@ -232,14 +232,25 @@ def expected_output_shape(task: str, data: DataSpec, example: np.ndarray) -> tup
     return (example.shape[0], size)
 
 
-def check_buildable(model_cfg: ModelConfig, task: str, data: DataSpec) -> None:
+def check_buildable(
+    model_cfg: ModelConfig, task: str, data: DataSpec, mesh: dict[str, int] | None = None
+) -> None:
     """Build the model and run an example batch through it; raise ConfigError (exit 2)
-    when it cannot be built for this task and data, or when its output has the wrong
-    shape. Meant for the train stage, before any worker starts."""
+    when it cannot be built for this task and data, when its output has the wrong shape,
+    or when it cannot be split as the mesh asks (tp needs the model's
+    tensor_parallel_plan(), pp its pipeline_stage()). Meant for the train stage, before
+    any worker starts."""
     context_length(model_cfg, task)
     model = build_model(model_cfg, task, data)
     example = example_input(model_cfg, task, data)
     what = model_cfg.target or f"model {model_cfg.name}"
+    for dim, method in (("tp", "tensor_parallel_plan"), ("pp", "pipeline_stage")):
+        if (mesh or {}).get(dim, 1) > 1 and not callable(getattr(model, method, None)):
+            raise ConfigError(
+                f"{what} has no {method}(): a model without one cannot use "
+                f"parallel.{dim}={mesh[dim]}; set parallel.{dim}: 1 (data parallelism, "
+                f"parallel.dp_shard, works for any model) or give the module {method}()"
+            )
     model.eval()
     try:
         with torch.no_grad():

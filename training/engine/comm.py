@@ -1,0 +1,96 @@
+"""Counting collective communication: bytes each rank sends and seconds it spends in it.
+
+`CommMeter` is a dispatch mode: while active, every collective that goes through the
+dispatcher (c10d ops from FSDP2, DDP and pipeline send/recv; functional collectives and
+their waits from tensor parallelism) is timed and its bytes counted. Bytes follow the
+ring model each rank pays: an all-reduce of S bytes over n ranks sends 2(n-1)/n x S, an
+all-gather or reduce-scatter of S bytes in total (n-1)/n x S, a send S. The mode costs a
+Python call per operator, so the loop turns it on for one sampled step per interval.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+
+
+def _tensors(value: object) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors(item)
+
+
+# Argument names that hold what a rank contributes (outputs of gathers are not sent).
+_INPUTS = ("input_tensor", "input_tensors", "input", "inputs", "tensors", "tensor", "self")
+
+
+def _named(func, args: tuple, kwargs: dict) -> dict:
+    return dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
+
+
+def _payload(named: dict) -> int:
+    for name in _INPUTS:
+        if name in named:
+            return sum(t.numel() * t.element_size() for t in _tensors(named[name]))
+    return 0
+
+
+def _group_size(named: dict) -> int:
+    """The number of ranks a collective spans, from its group size, group or group name."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if isinstance(named.get("group_size"), int):
+        return named["group_size"]
+    for value in named.values():
+        if (
+            hasattr(value, "size")
+            and hasattr(value, "rank")
+            and not isinstance(value, torch.Tensor)
+        ):
+            return int(value.size())
+    if isinstance(named.get("group_name"), str):
+        return _resolve_process_group(named["group_name"]).size()
+    return 1
+
+
+def ring_bytes(op: str, payload: int, n: int) -> float:
+    """Bytes one rank sends for collective `op` whose tensors hold `payload` bytes."""
+    if n <= 1 or "wait" in op or op.startswith("recv") or "barrier" in op:
+        return 0.0
+    if "allreduce" in op or "all_reduce" in op:
+        return 2.0 * (n - 1) / n * payload
+    if "gather" in op:  # the input is this rank's shard: it goes to n-1 peers
+        return float((n - 1) * payload)
+    if "reduce_scatter" in op:  # the input is the whole: all but this rank's share leaves
+        return (n - 1) / n * payload
+    return float(payload)  # send, broadcast, and the rest: what is handed over
+
+
+class CommMeter(TorchDispatchMode):
+    """Bytes sent and seconds spent in collectives while the mode is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes_sent = 0.0
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace not in _NAMESPACES:
+            return func(*args, **kwargs)
+        op = func._schema.name.split("::")[-1]
+        named = _named(func, args, kwargs)
+        started = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.seconds += time.perf_counter() - started
+        self.bytes_sent += ring_bytes(op, _payload(named), _group_size(named))
+        self.calls += 1
+        return out

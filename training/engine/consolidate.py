@@ -1,0 +1,45 @@
+"""The trained model, consolidated once from the job's final distributed checkpoint.
+
+Whatever the layout, the workers' last act is a complete checkpoint keyed by the whole
+model's parameter names. After they exit, the launcher builds the model once on CPU and
+fills it from that checkpoint (only the model's part, not the optimizer's): one full
+copy in memory, never a gather of every rank's state onto one rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from training.config import Config
+from training.data.shards import read_manifest
+from training.data.spec import DataSpec
+from training.engine.checkpoint import find_latest, load_model_weights
+from training.errors import GradlineError
+
+
+class NoFinalCheckpoint(GradlineError):
+    """The workers finished but their final checkpoint is missing or incomplete."""
+
+    retryable = True
+
+
+def consolidate_model(cfg: Config, shard_dir: Path, job_dir: Path, model_dir: Path, step: int):
+    """Write `model_dir` (weights, what rebuilds them, the tokenizer) from the final
+    checkpoint of the job in `job_dir`, which must be at `step`."""
+    from training.models import ModelSpec, build_model, save_model_dir
+
+    found = find_latest(job_dir)
+    if found is None or int(found[1]["step"]) != step:
+        at = f"step {found[1]['step']}" if found else "none"
+        raise NoFinalCheckpoint(
+            f"training ended at step {step} but the newest complete checkpoint in {job_dir} "
+            f"is {at}; run the job again to resume and save it"
+        )
+    manifest = read_manifest(shard_dir)
+    data = DataSpec.from_manifest(manifest)
+    model = build_model(cfg.model, cfg.task.type, data)
+    load_model_weights(found[0], model)
+    spec = ModelSpec(task=cfg.task.type, model=cfg.model.model_dump(), data=data.to_dict())
+    tokenizer = manifest.get("tokenizer") or {}
+    tokenizer_file = shard_dir / tokenizer["file"] if tokenizer.get("file") else None
+    save_model_dir(model, spec, model_dir, tokenizer_file)

@@ -1,0 +1,96 @@
+"""The training state of one rank, in a form every layout shares.
+
+A rank holds one or more model parts (the whole model, or its pipeline stages), each
+with its own optimizer. `TrainState` is what distributed checkpoints save and load: its
+state dict is keyed by the whole model's parameter names (with flattened optimizer
+state), whatever the layout, so a checkpoint written under one layout loads under any
+other (torch.distributed.checkpoint reshards by name).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class OptimizerGroup:
+    """One optimizer per model part, stepped together (what the loop sees as one)."""
+
+    def __init__(self, parts: list[nn.Module], lr: float, weight_decay: float) -> None:
+        self.optimizers = [
+            torch.optim.AdamW(part.parameters(), lr=lr, weight_decay=weight_decay) for part in parts
+        ]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+class TrainState:
+    """Model parts and their optimizers as one Stateful for torch.distributed.checkpoint."""
+
+    def __init__(self, parts: list[nn.Module], optimizer: OptimizerGroup) -> None:
+        self.parts, self.optimizer = parts, optimizer
+
+    def _pairs(self) -> Iterator[tuple[nn.Module, torch.optim.Optimizer]]:
+        return zip(self.parts, self.optimizer.optimizers, strict=True)
+
+    def state_dict(self) -> dict:
+        model: dict = {}
+        optim: dict = {}
+        for part, opt in self._pairs():
+            model.update(get_model_state_dict(part, options=_OPTIONS))
+            optim.update(get_optimizer_state_dict(part, opt, options=_OPTIONS))
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict) -> None:
+        partial = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+        for part, opt in self._pairs():
+            set_model_state_dict(part, state["model"], options=partial)
+            set_optimizer_state_dict(part, opt, state["optim"], options=partial)
+
+
+def clip_grad_norm(parts: list[nn.Module], max_norm: float, pp_group=None) -> float:
+    """Scale gradients so their global norm is at most `max_norm`; return the norm.
+
+    The norm is over the whole model: a sharded gradient (DTensor) contributes its full
+    norm (a reduction over its mesh), and pipeline stages add their squares across the
+    pipeline group, so every rank computes the same factor a single process would.
+    """
+    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad.float())
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares += norm.double().cpu() ** 2
+    if pp_group is not None:
+        dist.all_reduce(squares, group=pp_group)
+    total = math.sqrt(squares.item())
+    factor = max_norm / (total + 1e-6)
+    if factor < 1.0:
+        for grad in grads:
+            grad.mul_(factor)
+    return total
