@@ -74,7 +74,7 @@ class Parallelized:
         return self.whole(x)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.parts, max_norm, self.pp_group)
+        return clip_grad_norm(self.parts, max_norm, self.topo.mesh.get("pp", 1))
 
     def forward_backward(
         self, x, y, loss_fn: LossFn, accum: int, autocast, measure_comm: bool
@@ -92,7 +92,7 @@ class DataParallel(Parallelized):
         self.timer = SyncTimer(topo.world_size)
         self.ddp.register_comm_hook(None, self.timer.hook)
         self.call = torch.compile(self.ddp) if compile_model else self.ddp
-        self.parts, self.world_size = [model], topo.world_size
+        self.parts, self.world_size, self.topo = [model], topo.world_size, topo
         self.optimizer = OptimizerGroup(self.parts, optim.lr, optim.weight_decay)
 
     def forward_backward(self, x, y, loss_fn, accum, autocast, measure_comm) -> StepResult:

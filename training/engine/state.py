@@ -72,25 +72,43 @@ class TrainState:
             set_optimizer_state_dict(part, opt, state["optim"], options=partial)
 
 
-def clip_grad_norm(parts: list[nn.Module], max_norm: float, pp_group=None) -> float:
+def clip_grad_norm(parts: list[nn.Module], max_norm: float, pipeline_stages: int = 1) -> float:
     """Scale gradients so their global norm is at most `max_norm`; return the norm.
 
-    The norm is over the whole model: a sharded gradient (DTensor) contributes its full
-    norm (a reduction over its mesh), and pipeline stages add their squares across the
-    pipeline group, so every rank computes the same factor a single process would.
+    The norm is over the whole model, so every rank computes the factor one process
+    would. Each rank adds the squares of the gradient pieces it holds, each divided by
+    how many ranks hold that same piece (the ranks of its pipeline stage, over the shards
+    a DTensor is cut into), and one all-reduce sums them.
     """
     grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
-    squares = torch.zeros((), dtype=torch.float64)
+    if not grads:
+        return 0.0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    stage_ranks = world // pipeline_stages
+    locals_, copies = [], []
     for grad in grads:
-        norm = torch.linalg.vector_norm(grad.float())
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares += norm.double().cpu() ** 2
-    if pp_group is not None:
-        dist.all_reduce(squares, group=pp_group)
-    total = math.sqrt(squares.item())
+        if isinstance(grad, DTensor):
+            locals_.append(grad.to_local())
+            copies.append(stage_ranks // _shards(grad))
+        else:
+            locals_.append(grad)
+            copies.append(stage_ranks)
+    norms = torch._foreach_norm([g.float() for g in locals_])
+    squares = torch.stack([n.double() ** 2 / c for n, c in zip(norms, copies, strict=True)])
+    total_sq = squares.sum().cpu()
+    if world > 1:
+        dist.all_reduce(total_sq)
+    total = math.sqrt(total_sq.item())
     factor = max_norm / (total + 1e-6)
     if factor < 1.0:
-        for grad in grads:
-            grad.mul_(factor)
+        torch._foreach_mul_(locals_, factor)  # the local pieces are the gradients' storage
     return total
+
+
+def _shards(tensor: DTensor) -> int:
+    """Distinct pieces `tensor` is cut into: the sizes of its sharded mesh dimensions."""
+    count = 1
+    for size, placement in zip(tensor.device_mesh.shape, tensor.placements, strict=True):
+        if not placement.is_replicate():  # Shard, or FSDP's strided shard over tp
+            count *= size
+    return count
