@@ -135,10 +135,11 @@ def test_killed_rank_is_restarted_and_ends_bitwise_identical(
     checkpoints = {a.path for a in mlflow.list_artifacts(run_id, "checkpoints")}
     assert "checkpoints/step-00000008" in checkpoints
     recorded = {a.path for a in mlflow.list_artifacts(run_id, "checkpoints/step-00000008")}
-    assert recorded == {
-        "checkpoints/step-00000008/ckpt-00000008.pt",
-        "checkpoints/step-00000008/metrics.json",
-    }
+    # The distributed checkpoint: each rank's shard file, DCP's metadata, the loop's
+    # position and the checksums, and the metrics of the step.
+    folder = "checkpoints/step-00000008/"
+    names = {"__0_0.distcp", ".metadata", "train_state.json", "sha256.json", "metrics.json"}
+    assert {folder + name for name in names} <= recorded
 
 
 def test_rank_failing_every_attempt_fails_the_job_naming_it(
@@ -211,7 +212,7 @@ def test_sigterm_checkpoints_exits_distinctly_and_resumes(
     slow = {**env, "GRADLINE_FAULT": "slow:rank=0:step=0:seconds=0.15"}
     job = subprocess.Popen(command, cwd=project, env=slow, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not list(project.glob("checkpoints/*/ckpt-*.pt")):
+    while not list(project.glob("checkpoints/*/step-????????")):
         assert job.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.2)
     job.send_signal(signal.SIGTERM)
@@ -219,7 +220,7 @@ def test_sigterm_checkpoints_exits_distinctly_and_resumes(
     assert job.returncode == PREEMPTED_EXIT_CODE, stderr[-2000:]
     stopped = int(stderr.split("stopped on request at step ")[1].split(";")[0])
     job_dir = next(project.glob("checkpoints/*/"))
-    assert (job_dir / f"ckpt-{stopped:08d}.pt").is_file()  # checkpointed at the stop step
+    assert (job_dir / f"step-{stopped:08d}").is_dir()  # checkpointed at the stop step
     assert not (project / "model").exists()
 
     write_overrides(project / "params.yaml", [f"runtime.world_size={resume_world_size}"])
