@@ -8,6 +8,7 @@ Every test starts worker processes and has a timeout. One thread per rank: 4 ran
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,7 @@ def _weights(work: Path) -> dict[str, torch.Tensor]:
 
 _finished: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
 _work: dict[str, Path] = {}
+_run_ids: dict[str, str] = {}
 
 
 @pytest.fixture
@@ -109,7 +111,7 @@ def finished(tiny_token_shards, tracking, tmp_path_factory):
             work = tmp_path_factory.mktemp(layout)
             run_id = _run(tiny_token_shards, work, _config(world, parallel), tracking)
             _finished[layout] = (_losses(tracking, run_id), _weights(work))
-            _work[layout] = work
+            _work[layout], _run_ids[layout] = work, run_id
         return _finished[layout]
 
     return get
@@ -131,45 +133,44 @@ def test_every_layout_trains_what_one_rank_trains(layout, finished) -> None:
     _assert_same_training(finished(layout), finished("single"))
 
 
-def test_pipeline_and_sharded_layouts_report_their_waiting(
-    tiny_token_shards, tracking, tmp_path
-) -> None:
+def test_pipeline_and_sharded_layouts_report_their_waiting(finished, tracking) -> None:
     """The time breakdown keeps working: collectives inside a sharded forward and backward
     are sync wait; a pipeline stage's idle time is its bubble."""
-    uri = tracking[0]
     for name in ("fsdp-tp", "pp-1f1b"):
-        world, parallel = LAYOUTS[name]
-        run_id = _run(tiny_token_shards, tmp_path / name, _config(world, parallel), tracking)
-        metrics = client(uri).get_run(run_id).data.metrics
+        finished(name)
+        metrics = client(tracking[0]).get_run(_run_ids[name]).data.metrics
+        world = LAYOUTS[name][0]
         assert all(f"time_sync_wait_s/rank{r}" in metrics for r in range(world))
         assert metrics["time_fraction_sync_wait"] > 0
         bubble = metrics["time_fraction_pipeline_bubble"]
         assert (bubble > 0) if name.startswith("pp") else (bubble == 0)
 
 
-@pytest.mark.parametrize(
-    ("resume_world", "resume_parallel"),
-    [(4, {"dp_shard": 4}), (4, {"dp_shard": 2, "tp": 2}), (1, {})],
-    ids=["dp_shard=4", "fsdp2xtp2", "one-rank"],
-)
-def test_a_checkpoint_resumes_under_another_layout(
-    resume_world, resume_parallel, tiny_token_shards, tracking, finished, tmp_path, monkeypatch
+def test_a_checkpoint_resumes_under_other_layouts(
+    tiny_token_shards, tracking, finished, tmp_path, monkeypatch
 ) -> None:
     """Saved under dp_shard=2 (the job dies at step 12; step 8 is on disk), resumed under
-    another layout into the same MLflow run: the same loss curve as an uninterrupted job."""
+    dp_shard=4 into the same MLflow run, and (from copies of the job) under FSDP x TP and
+    on one rank: each the loss curve and weights of an uninterrupted job. The copies go
+    into new runs, which receive the first attempt's metrics from the job's journal."""
     monkeypatch.setenv("GRADLINE_FAULT", "kill:rank=1:step=12:attempt=0")
     uri, experiment = tracking
+    original = tmp_path / "dp_shard=4"
     run_id = client(uri).create_run(experiment).info.run_id
     with pytest.raises(TrainingFailed):
-        _run(tiny_token_shards, tmp_path, _config(2, {"dp_shard": 2}), tracking, run_id)
+        _run(tiny_token_shards, original, _config(2, {"dp_shard": 2}), tracking, run_id)
     monkeypatch.delenv("GRADLINE_FAULT")
-    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("step-*"))
-    assert saved == ["step-00000008"]
-    _run(tiny_token_shards, tmp_path, _config(resume_world, resume_parallel), tracking, run_id)
-    _assert_same_training((_losses(tracking, run_id), _weights(tmp_path)), finished("single"))
+    assert sorted(p.name for p in (original / "ckpt").glob("step-*")) == ["step-00000008"]
+    resumes = {original: (4, {"dp_shard": 4}, run_id)}
+    for name, world, parallel in [("fsdp2xtp2", 4, {"dp_shard": 2, "tp": 2}), ("one", 1, {})]:
+        shutil.copytree(original, tmp_path / name)
+        resumes[tmp_path / name] = (world, parallel, None)
+    for work, (world, parallel, into) in resumes.items():
+        resumed_run = _run(tiny_token_shards, work, _config(world, parallel), tracking, into)
+        got = (_losses(tracking, resumed_run), _weights(work))
+        _assert_same_training(got, finished("single"))
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "pp-1f1b"])
 def test_killed_rank_restarts_and_ends_bitwise_identical(
     layout, tiny_token_shards, tracking, finished, tmp_path, monkeypatch
 ) -> None:
