@@ -32,3 +32,25 @@ def timed(fn) -> tuple[float, object]:
 
 def fmt(value: float) -> str:
     return "nan" if math.isnan(value) else f"{value:.4g}"
+
+
+def launch_local(fn, world_size: int, *args) -> dict[int, object]:
+    """Run `fn(*args)` on `world_size` local ranks under torch elastic (c10d rendezvous on
+    127.0.0.1, no restarts); return each rank's return value."""
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from training.engine.launch import free_port
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"bench-{uuid.uuid4().hex[:6]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        start_method="spawn",
+    )
+    return elastic_launch(config, fn)(*args)

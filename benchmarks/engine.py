@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import fmt, make_synthetic_shards
+from benchmarks.common import fmt, launch_local, make_synthetic_shards
 from training.config import Config
 from training.engine.launch import launch_workers
 from training.engine.loop import TrainJob
@@ -79,23 +79,8 @@ def minimal_ddp_worker(shard_dir: str, cfg: dict, steps: int) -> dict | None:
 
 
 def _launch_minimal(shards: Path, cfg: Config, steps: int) -> dict:
-    import uuid
-
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from training.engine.launch import free_port
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg.runtime.world_size,
-        run_id=f"minimal-{uuid.uuid4().hex[:6]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
-        start_method="spawn",
-    )
-    return elastic_launch(config, minimal_ddp_worker)(str(shards), cfg.model_dump(), steps)[0]
+    world = cfg.runtime.world_size
+    return launch_local(minimal_ddp_worker, world, str(shards), cfg.model_dump(), steps)[0]
 
 
 def _steps_per_s(result: dict) -> float:

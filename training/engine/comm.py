@@ -44,18 +44,14 @@ def _payload(named: dict) -> int:
 
 def _group_size(named: dict) -> int:
     """The number of ranks a collective spans, from its group size, group or group name."""
+    from torch.distributed import ProcessGroup
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     if isinstance(named.get("group_size"), int):
         return named["group_size"]
-    for value in named.values():
-        if (
-            hasattr(value, "size")
-            and hasattr(value, "rank")
-            and not isinstance(value, torch.Tensor)
-        ):
-            return int(value.size())
-    if isinstance(named.get("group_name"), str):
+    if isinstance(named.get("process_group"), torch.ScriptObject):  # c10d ops
+        return ProcessGroup.unbox(named["process_group"]).size()
+    if isinstance(named.get("group_name"), str):  # functional collectives
         return _resolve_process_group(named["group_name"]).size()
     return 1
 
