@@ -147,8 +147,13 @@ def test_dvc_agrees_with_the_flow(first_run) -> None:
 
 
 def test_second_run_adds_a_version_and_gates_the_champion(first_run) -> None:
+    """A new job (another seed), trained sharded (FSDP2 over both ranks): registered,
+    gated and loadable like any other; the layout is a tag of its run."""
+    import mlflow.pyfunc
+    import numpy as np
+
     project, _, first_id = first_run
-    proc = _gradline(project, "run", "--set", "train.seed=1")
+    proc = _gradline(project, "run", "--set", "train.seed=1", "--set", "parallel.dp_shard=2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     second_id = json.loads((project / "result.json").read_text())["run_id"]
     client = _client(project)
@@ -165,6 +170,14 @@ def test_second_run_adds_a_version_and_gates_the_champion(first_run) -> None:
     assert ("champion" in second.aliases) == wins
     assert f"test_accuracy {new['test_accuracy']:.4f}" in second.description
     assert "up to date" in _dvc(project, "status").stdout
+    tags = client.get_run(second_id).data.tags
+    assert tags["gradline.parallel.dp_shard"] == "2"
+    assert "parallel.dp_shard" not in client.get_run(second_id).data.params
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow' / 'mlflow.db'}")
+    mlflow.set_registry_uri(f"sqlite:///{project / 'mlflow' / 'mlflow.db'}")
+    model = mlflow.pyfunc.load_model(f"models:/gradline-digits/{versions[second_id]}")
+    predicted = np.asarray(model.predict(np.zeros((3, 8, 8), dtype=np.float32)))
+    assert predicted.shape[0] == 3
 
 
 def _example_project(tmp_path: Path, example: str, *overrides: str) -> tuple[Path, str]:
@@ -218,9 +231,11 @@ def test_language_model_example_samples_text_and_generates_through_pyfunc(tmp_pa
         "model.width=64",
         "model.context=64",
         "task.max_new_tokens=20",
+        "parallel.tp=2",  # tensor parallel over both ranks: heads and MLP split in two
     )
     project, run_id = _example_project(tmp_path, "stdlib-gpt", *small)
     client = _client(project)
+    assert client.get_run(run_id).data.tags["gradline.parallel.tp"] == "2"
     metrics = client.get_run(run_id).data.metrics
     for name in ("loss", "perplexity", "bits_per_token", "bits_per_byte"):
         assert f"test_{name}" in metrics and f"baseline_test_{name}" in metrics
@@ -236,6 +251,10 @@ def test_language_model_example_samples_text_and_generates_through_pyfunc(tmp_pa
     assert list(generated.columns) == ["text"] and len(generated) == 2
     assert all(isinstance(text, str) for text in generated["text"])
     assert any(generated["text"])  # (a continuation may end at once, on end-of-document)
+    lineage = _gradline(project, "lineage", "gradline-stdlib-gpt/1")
+    assert lineage.returncode == 0, lineage.stderr
+    assert f"run {run_id}" in lineage.stdout or run_id in lineage.stdout
+    assert "data version" in lineage.stdout
 
 
 def test_a_user_model_trains_registers_and_loads_through_pyfunc(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ GPT_JOB = {
 LAYOUTS = {
     "ddp": (2, {}),
     "fsdp": (2, {"dp_shard": 2}),
+    "fsdp-recompute": (2, {"dp_shard": 2, "activation_checkpointing": "block"}),
     "hsdp": (4, {"dp_replicate": 2, "dp_shard": 2}),
     "tp": (2, {"tp": 2}),
     "pp-gpipe": (2, {"pp": 2, "pp_schedule": "gpipe"}),

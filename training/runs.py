@@ -77,9 +77,9 @@ def open_job_run(
     run_id = run.info.run_id
     from mlflow.entities import Param
 
-    # Params are what defines the run; how it ran (runtime) may change between attempts
-    # of the same job, so it goes into tags, set again on every attempt.
-    params = [Param(k, str(v)) for k, v in cfg.flat().items() if not k.startswith(RUNTIME_PREFIX)]
+    # Params are what defines the run; how it ran (runtime, parallel layout) may change
+    # between attempts of the same job, so it goes into tags, set again on every attempt.
+    params = [Param(k, str(v)) for k, v in cfg.flat().items() if not k.startswith(HOW_PREFIXES)]
     mlflow_client.log_batch(run_id, params=params)
     log_runtime(mlflow_client, run_id, cfg)
     log_dataset(mlflow_client, run_id, cfg, root, data_version)
@@ -87,17 +87,16 @@ def open_job_run(
     return JobRun(run_id, job_dir, resumed=False)
 
 
-RUNTIME_PREFIX = "runtime."
+HOW_PREFIXES = ("runtime.", "parallel.")  # how a job runs: tags, not params
 
 
 def log_runtime(mlflow_client, run_id: str, cfg: Config) -> None:
-    """How this attempt runs, as `gradline.runtime.<key>` tags (the latest attempt's)."""
+    """How this attempt runs, as `gradline.runtime.<key>` and `gradline.parallel.<key>`
+    tags (the latest attempt's)."""
     from mlflow.entities import RunTag
 
     tags = [
-        RunTag(f"gradline.{k}", str(v))
-        for k, v in cfg.flat().items()
-        if k.startswith(RUNTIME_PREFIX)
+        RunTag(f"gradline.{k}", str(v)) for k, v in cfg.flat().items() if k.startswith(HOW_PREFIXES)
     ]
     mlflow_client.log_batch(run_id, tags=tags)
 
