@@ -57,10 +57,27 @@ LAYOUTS = {
 LOSS_RTOL, WEIGHT_ATOL = 1e-4, 1e-3
 
 
-def _config(world: int, parallel: dict) -> Config:
+def _config(world: int, parallel: dict, eval_batch: int = 512) -> Config:
+    runtime = {**GPT_JOB["runtime"], "world_size": world}
     return Config.model_validate(
-        {**GPT_JOB, "runtime": {**GPT_JOB["runtime"], "world_size": world}, "parallel": parallel}
+        {
+            **GPT_JOB,
+            "runtime": runtime,
+            "parallel": parallel,
+            "evaluate": {"batch_size": eval_batch},
+        }
     )
+
+
+def _uneven_eval_batch(shards: Path, shares: int) -> int:
+    """A validation batch size that gives the larger of `shares` data-parallel shares one
+    batch more than the smaller ones (a sharded forward is a collective: every rank must
+    still make the same calls)."""
+    from training.data.loader import open_reader
+    from training.data.shards import read_manifest
+
+    rows = open_reader(shards, read_manifest(shards), "val", context=16).num_rows
+    return max(1, -(-rows // shares) - 1)
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +183,10 @@ def test_a_checkpoint_resumes_under_other_layouts(
     for name, world, parallel in [("fsdp2xtp2", 4, {"dp_shard": 2, "tp": 2}), ("one", 1, {})]:
         shutil.copytree(original, tmp_path / name)
         resumes[tmp_path / name] = (world, parallel, None)
+    eval_batch = _uneven_eval_batch(tiny_token_shards, 4)
     for work, (world, parallel, into) in resumes.items():
-        resumed_run = _run(tiny_token_shards, work, _config(world, parallel), tracking, into)
+        cfg = _config(world, parallel, eval_batch)
+        resumed_run = _run(tiny_token_shards, work, cfg, tracking, into)
         got = (_losses(tracking, resumed_run), _weights(work))
         _assert_same_training(got, finished("single"))
 

@@ -290,8 +290,8 @@ class ParallelConfig(_Section):
             shown = " x ".join(f"{d}={v}" for d, v in self.model_dump().items() if d in given)
             raise ValueError(
                 f"the mesh {shown} does not fit runtime.world_size={world_size}: the sizes "
-                "must multiply to the world size (one may be -1 to take the rest), e.g. "
-                f"parallel.dp_shard={world_size} with parallel.dp_replicate=1"
+                "must multiply to the world size; set one of them to -1 to take the rest "
+                "(e.g. parallel.dp_replicate: -1), or change runtime.world_size"
             )
         return given
 

@@ -9,7 +9,8 @@ and one a killed job left behind keeps its `.tmp` name and is never read.
 
 Loading goes through DCP too, which reshards when the target state has another layout
 (other world size, FSDP <-> TP, or one full CPU model at the end). Random streams are a
-pure function of (seed, rank, step) in the loop, so no RNG state is saved.
+pure function of (seed, data-parallel rank, pipeline stage, step) in the loop, so no
+RNG state is saved.
 """
 
 from __future__ import annotations

@@ -1,22 +1,39 @@
 """Counting collective communication: bytes each rank sends and seconds it spends in it.
 
-`CommMeter` is a dispatch mode: while active, every collective that goes through the
-dispatcher (c10d ops from FSDP2, DDP and pipeline send/recv; functional collectives and
-their waits from tensor parallelism) is timed and its bytes counted. Bytes follow the
-ring model each rank pays: an all-reduce of S bytes over n ranks sends 2(n-1)/n x S, an
-all-gather or reduce-scatter of S bytes in total (n-1)/n x S, a send S. The mode costs a
-Python call per operator, so the loop turns it on for one sampled step per interval.
+`CommMeter` is a dispatch mode: while active, the bytes of every collective that goes
+through the dispatcher (c10d ops from FSDP2, DDP and pipeline send/recv; functional
+collectives from tensor parallelism) are counted. Bytes follow the ring model each rank
+pays: an all-reduce of S bytes over n ranks sends 2(n-1)/n x S, an all-gather or
+reduce-scatter of S bytes in total (n-1)/n x S, a send S.
+
+Time is what a rank waits: a c10d op only launches its work, and a blocking collective
+then waits outside the dispatcher (`work.wait()`), so the meter times the blocking
+torch.distributed calls themselves (FSDP2's all-gathers and reduce-scatters, gradient
+all-reduces) and tensor parallelism's waits (`wait_tensor`). Pipeline send/recv waits
+are not counted: they are the pipeline's bubble. The mode costs a Python call per
+operator, so the loop turns it on for one sampled step per interval.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+# torch.distributed calls that return only once the collective is done (unless async).
+_BLOCKING = (
+    "all_reduce",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "broadcast",
+)
 
 
 def _tensors(value: object) -> Iterable[torch.Tensor]:
@@ -70,13 +87,38 @@ def ring_bytes(op: str, payload: int, n: int) -> float:
 
 
 class CommMeter(TorchDispatchMode):
-    """Bytes sent and seconds spent in collectives while the mode is active."""
+    """Bytes sent and seconds waited in collectives while the mode is active."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes_sent = 0.0
         self.seconds = 0.0
         self.calls = 0
+        self._originals: dict[str, Callable] = {}
+
+    def __enter__(self):
+        # Callers look these up as `dist.<name>` at call time, so the timed versions are
+        # what runs while the meter is active; __exit__ puts the originals back.
+        for name in _BLOCKING:
+            original = self._originals[name] = getattr(dist, name)
+            setattr(dist, name, self._timed(original))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        return super().__exit__(*exc)
+
+    def _timed(self, collective: Callable) -> Callable:
+        @functools.wraps(collective)
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        return timed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -86,7 +128,8 @@ class CommMeter(TorchDispatchMode):
         named = _named(func, args, kwargs)
         started = time.perf_counter()
         out = func(*args, **kwargs)
-        self.seconds += time.perf_counter() - started
+        if op == "wait_tensor":  # a functional collective's wait: time spent waiting
+            self.seconds += time.perf_counter() - started
         self.bytes_sent += ring_bytes(op, _payload(named), _group_size(named))
         self.calls += 1
         return out

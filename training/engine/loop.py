@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -26,7 +27,7 @@ from training.config import Config
 from training.data.loader import LoaderPosition, RankLoader, open_reader, strided_rows
 from training.data.shards import read_manifest
 from training.data.spec import DataSpec
-from training.engine.checkpoint import Checkpointer, find_latest, load_into, verify
+from training.engine.checkpoint import Checkpointer, find_latest, load_into
 from training.engine.health import record_failure
 from training.engine.instruments import Instruments
 from training.engine.intervals import IntervalLog
@@ -113,10 +114,11 @@ def _autocast(cfg: Config, topo: Topology) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
 
 
-def _step_seed(seed: int, dp_rank: int, step: int) -> int:
-    # Random streams (dropout) depend only on (seed, data-parallel rank, step): resume
-    # needs no RNG state, and the ranks of one tensor-parallel group draw the same masks.
-    return hash((seed, dp_rank, step)) & 0x7FFF_FFFF_FFFF
+def _step_seed(seed: int, topo: Topology, step: int) -> int:
+    # Random streams (dropout) depend only on (seed, data-parallel rank, pipeline stage,
+    # step): resume needs no RNG state, the ranks of one tensor-parallel group draw the
+    # same masks, and two pipeline stages do not draw the same ones.
+    return hash((seed, topo.dp_rank, topo.coordinate("pp"), step)) & 0x7FFF_FFFF_FFFF
 
 
 @dataclass
@@ -129,8 +131,7 @@ class Setup:
     val_reader: Any
     val_rows: Any
     objective: Objective
-    model: Parallelized
-    optimizer: Any  # OptimizerGroup: one optimizer per model part
+    model: Parallelized  # with its optimizers (model.optimizer)
     total_steps: int
     sampler: Any  # language models: model -> sampled continuations of fixed prompts
 
@@ -165,7 +166,6 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         val_rows=strided_rows(val_reader.num_rows, topo.dp_size, topo.dp_rank),
         objective=objective,
         model=model,
-        optimizer=model.optimizer,
         total_steps=min(total, cfg.train.max_steps or total),
         sampler=_sampler(cfg, shard_dir, manifest, context),
     )
@@ -204,10 +204,10 @@ def resume(setup: Setup, topo: Topology, job_dir: JobDir) -> tuple[LoaderPositio
     """Rank 0 picks the newest complete checkpoint, so every rank resumes from the same
     one; each rank then loads its own shards of it, whatever layout wrote it."""
     found = find_latest(job_dir.path) if topo.is_main else None
-    resume_from = broadcast_object(str(found[0]) if found else None, topo)
-    if not resume_from:
+    chosen = broadcast_object((str(found[0]), found[1]) if found else None, topo)
+    if not chosen:
         return LoaderPosition(), 0, ""
-    train_state = found[1] if found else verify(Path(resume_from))
+    resume_from, train_state = chosen
     state = setup.model.state
     shards = state.state_dict()  # this layout's shards, filled in place from the checkpoint
     load_into(Path(resume_from), shards)
@@ -223,7 +223,7 @@ def train_step(cfg: Config, setup: Setup, topo: Topology, batch, step: int, inst
     model = setup.model
     measure = (step + 1) % cfg.runtime.log_every_steps == 0  # sample communication
     with inst.phase("compute", step):
-        torch.manual_seed(_step_seed(cfg.train.seed, topo.dp_rank, step))
+        torch.manual_seed(_step_seed(cfg.train.seed, topo, step))
         inst.collective(step)
         outcome = model.forward_backward(
             x,
@@ -236,12 +236,12 @@ def train_step(cfg: Config, setup: Setup, topo: Topology, batch, step: int, inst
     inst.move(outcome.sync_wait, "compute", "sync_wait")
     inst.move(outcome.bubble, "compute", "pipeline_bubble")
     with inst.phase("optimizer", step):
-        for group in setup.optimizer.param_groups:
+        for group in setup.model.optimizer.param_groups:
             group["lr"] = lr_at(step, setup.total_steps, cfg.optim)
         if cfg.optim.grad_clip:
             model.clip_grad_norm(cfg.optim.grad_clip)
-        setup.optimizer.step()
-        setup.optimizer.zero_grad(set_to_none=True)
+        setup.model.optimizer.step()
+        setup.model.optimizer.zero_grad(set_to_none=True)
     inst.step_done()
     return outcome.loss
 
@@ -249,19 +249,33 @@ def train_step(cfg: Config, setup: Setup, topo: Topology, batch, step: int, inst
 def validate(cfg: Config, setup: Setup, topo: Topology) -> dict[str, float]:
     """The task's validation metrics over the whole split, each data-parallel share
     scoring its rows (under a pipeline, the last stage scores)."""
-    setup.model.train(False)
+    model, batch_size = setup.model, cfg.evaluate.batch_size
+
+    def reduce(stats: torch.Tensor) -> torch.Tensor:
+        # A sharded or pipelined forward is a collective, so every rank must make the
+        # same number of calls: shares with fewer rows run the difference on one row.
+        if model.forward_is_collective:
+            most = -(-setup.val_reader.num_rows // topo.dp_size)  # rows of the largest share
+            spare = -(-most // batch_size) - (-(-len(setup.val_rows) // batch_size))
+            x, _ = setup.val_reader.gather(np.arange(min(1, setup.val_reader.num_rows)))
+            for _ in range(spare):
+                model.forward(torch.from_numpy(x).to(topo.device))
+        return reduce_over_shares(stats, topo)
+
+    model.train(False)
     try:
-        return setup.objective.score(
-            setup.model.forward,
-            setup.val_reader,
-            setup.val_rows,
-            cfg.evaluate.batch_size,
-            topo.device,
-            reduce=lambda stats: reduce_over_shares(stats, topo),
-            prefix="val",
-        )
+        with torch.no_grad():
+            return setup.objective.score(
+                model.forward,
+                setup.val_reader,
+                setup.val_rows,
+                batch_size,
+                topo.device,
+                reduce=reduce,
+                prefix="val",
+            )
     finally:
-        setup.model.train(True)
+        model.train(True)
 
 
 def _preempt_requested(job_dir: JobDir) -> bool:
@@ -294,10 +308,11 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
     def evaluate(epoch: int) -> None:
         inst.collective(step)
         intervals.log_validation(validate(cfg, setup, topo), step, epoch)
-        # Sampling runs the whole model: on every rank together when it is sharded, and
-        # not at all when it is cut into pipeline stages.
-        whole = setup.model.whole
-        if setup.sampler is not None and whole is not None:
+        # Sampling runs the whole model: on rank 0 when it holds a replica, on every rank
+        # together when it is sharded, not at all when it is cut into pipeline stages.
+        whole, model = setup.model.whole, setup.model
+        runs_here = topo.is_main or model.forward_is_collective
+        if setup.sampler is not None and whole is not None and runs_here:
             text = setup.sampler(whole)
             if topo.is_main:
                 tracker.log_text(text, f"samples/step-{step:08d}.txt")
@@ -322,7 +337,7 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
             # find every step up to it already journaled, or its losses would be lost.
             if step % rt.log_every_steps == 0 or checkpoint_due:
                 inst.collective(step)
-                intervals.close(step, setup.optimizer.param_groups[0]["lr"])
+                intervals.close(step, setup.model.optimizer.param_groups[0]["lr"])
             if checkpoint_due:
                 save()
             if rt.eval_every_steps and step % rt.eval_every_steps == 0:
@@ -342,7 +357,7 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
 
     if progress is not None:
         progress.close()
-    intervals.close(step, setup.optimizer.param_groups[0]["lr"], final=True)
+    intervals.close(step, setup.model.optimizer.param_groups[0]["lr"], final=True)
     save()  # the final (or preemption) state, always
     checkpointer.close()
     intervals.finish()

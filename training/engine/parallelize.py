@@ -54,11 +54,14 @@ class Parallelized:
 
     parts: list[nn.Module]
     optimizer: OptimizerGroup
-    pp_group = None
+    topo: Topology
+    # Whether running the whole model takes every rank (its weights are spread over them).
+    forward_is_collective = True
 
     @property
     def whole(self) -> nn.Module | None:
-        """The whole model, callable on every rank together (None when pipelined)."""
+        """The whole model (None when pipelined): a replica under DDP, callable by every
+        rank together when its weights are sharded (`forward_is_collective`)."""
         return self.parts[0]
 
     @property
@@ -86,6 +89,8 @@ class DataParallel(Parallelized):
     """DDP: a full replica per rank, gradients all-reduced in buckets during backward,
     timed by a communication hook (what backward waits after its last bucket)."""
 
+    forward_is_collective = False
+
     def __init__(self, model: nn.Module, topo: Topology, compile_model: bool, optim) -> None:
         device_ids = [topo.device.index] if topo.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(model, device_ids=device_ids)
@@ -97,7 +102,6 @@ class DataParallel(Parallelized):
 
     def forward_backward(self, x, y, loss_fn, accum, autocast, measure_comm) -> StepResult:
         loss_sum = torch.zeros((), device=x.device)
-        backward_started = time.perf_counter()
         for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
             last = i == accum - 1
             # Only the last micro-batch synchronises; the others accumulate locally.
@@ -164,10 +168,10 @@ class Pipelined(_Metered):
         indices = stage_indices(pp_rank, topo.mesh["pp"], stages)
         self.parts = []
         for index in indices:
-            part = cut_stage(build(), index, stages).to(topo.device)
+            part = cut_stage(build(), index, stages)
             shape_model(part, mesh, topo, par, pipelined=True)
             self.parts.append(part)
-        self.mesh, self.topo, self.pp_group = mesh, topo, mesh["pp"].get_group()
+        self.mesh, self.topo = mesh, topo
         self.optimizer = OptimizerGroup(self.parts, optim.lr, optim.weight_decay)
         self.pipeline = Pipeline(
             self.parts,
@@ -175,8 +179,8 @@ class Pipelined(_Metered):
             stages,
             par.pp_schedule,
             par.pp_microbatches,
-            loss_fn,
-            self.pp_group,
+            lambda output, target: loss_fn(output.float(), target),
+            mesh["pp"].get_group(),
             topo.device,
         )
 
@@ -202,7 +206,9 @@ class Pipelined(_Metered):
 
 
 def shape_model(model: nn.Module, mesh, topo: Topology, par, pipelined: bool) -> None:
-    """Tensor plan, activation checkpointing, then FSDP2, on one model part, in place."""
+    """Tensor plan, activation checkpointing, then FSDP2, on one model part (built on
+    the host), in place; its parameters end on this rank's device. Under FSDP only the
+    rank's shards ever reach the device, so a model need not fit on one."""
     if topo.mesh["tp"] > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if par.activation_checkpointing == "block":
@@ -215,6 +221,8 @@ def shape_model(model: nn.Module, mesh, topo: Topology, par, pipelined: bool) ->
         # Under a pipeline each micro-batch would all-gather again: keep the blocks
         # gathered from forward to backward instead.
         apply_fsdp(model, mesh[dims], param_dtype, par.reduce_dtype, not pipelined)
+    else:  # FSDP moved its shards; otherwise move what the tensor plan left whole
+        model.to(topo.device)
 
 
 def replicate_gradients(parts: list[nn.Module], mesh, topo: Topology) -> None:
@@ -248,4 +256,4 @@ def parallelize(build: Callable[[], nn.Module], cfg, topo: Topology, loss_fn) ->
     mesh = build_mesh(topo)
     if topo.mesh["pp"] > 1:
         return Pipelined(build, mesh, topo, cfg.parallel, cfg.optim, cfg.pipeline_stages(), loss_fn)
-    return Sharded(build().to(topo.device), mesh, topo, cfg.parallel, cfg.optim)
+    return Sharded(build(), mesh, topo, cfg.parallel, cfg.optim)

@@ -101,9 +101,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         self.clock.seconds = 0.0
         started = time.perf_counter()
-        if self.has_first and self.has_last:
-            self.schedule.step(x, target=y, losses=losses)
-        elif self.has_first:
+        if self.has_first:  # (with pp > 1 no rank holds both ends)
             self.schedule.step(x)
         elif self.has_last:
             self.schedule.step(target=y, losses=losses)
@@ -117,7 +115,7 @@ class Pipeline:
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The whole model's output on the last stage's rank (None elsewhere), stage by
         stage in order: each sends its output to the next stage's rank."""
-        pp, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        pp = dist.get_world_size(self.group)
         mine = dict(zip(self.indices, self.parts, strict=True))
         value = x
         for index in range(self.stages):
@@ -128,7 +126,7 @@ class Pipeline:
             value = mine[index](value)
             if index < self.stages - 1:
                 _send(value, self.group, (index + 1) % pp)
-        return value if self.has_last and me == (self.stages - 1) % pp else None
+        return value if self.has_last else None
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]

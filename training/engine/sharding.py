@@ -51,7 +51,12 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh) -> None:
             if fnmatch.fnmatchcase(name, pattern):
                 plan[name] = styles[style]()
     if not plan:
-        raise ConfigError(f"the tensor-parallel plan of {type(module).__name__} matches no module")
+        some = [name for name, _ in module.named_modules() if name][:5]
+        raise ConfigError(
+            f"the tensor-parallel plan of {type(module).__name__} matches no module: its "
+            f"patterns {list(tensor_parallel_plan(module))} must name submodules such as "
+            f"{some} (shell-style wildcards, e.g. blocks.*.attention.q)"
+        )
     parallelize_module(module, mesh, plan)
 
 
@@ -85,9 +90,10 @@ def apply_fsdp(
     """Shard each block, then the root (embeddings, head and the rest) over `mesh`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # Both explicit: FSDP2 reads a reduce dtype of None as "the compute dtype", which
+    # would reduce bf16 parameters' gradients in bf16.
     policy = MixedPrecisionPolicy(
-        param_dtype=_DTYPES[param_dtype] if param_dtype != "fp32" else None,
-        reduce_dtype=_DTYPES[reduce_dtype] if reduce_dtype != "fp32" else None,
+        param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype]
     )
     for unit in shard_units(module):
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
@@ -104,9 +110,8 @@ def average_gradients(parts: list[nn.Module], group, size: int) -> None:
             if param.grad is not None:
                 grad = param.grad
                 grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads]).div_(size)
+    # Every rank joins the all-reduce, even one that holds no gradient.
+    flat = torch.cat([g.reshape(-1) for g in grads] or [torch.zeros(0)]).div_(size)
     dist.all_reduce(flat, group=group)
     offset = 0
     for grad in grads:

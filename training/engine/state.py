@@ -81,8 +81,6 @@ def clip_grad_norm(parts: list[nn.Module], max_norm: float, pipeline_stages: int
     a DTensor is cut into), and one all-reduce sums them.
     """
     grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
     world = dist.get_world_size() if dist.is_initialized() else 1
     stage_ranks = world // pipeline_stages
     locals_, copies = [], []
@@ -93,10 +91,11 @@ def clip_grad_norm(parts: list[nn.Module], max_norm: float, pipeline_stages: int
         else:
             locals_.append(grad)
             copies.append(stage_ranks)
-    norms = torch._foreach_norm([g.float() for g in locals_])
-    squares = torch.stack([n.double() ** 2 / c for n, c in zip(norms, copies, strict=True)])
-    total_sq = squares.sum().cpu()
-    if world > 1:
+    norms = torch._foreach_norm([g.float() for g in locals_]) if locals_ else []
+    squares = [n.double() ** 2 / c for n, c in zip(norms, copies, strict=True)]
+    # On the CPU: the default group has a gloo side for such small tensors (topology).
+    total_sq = torch.stack(squares).sum().cpu() if squares else torch.zeros((), dtype=torch.float64)
+    if world > 1:  # every rank joins, even one that holds no gradient
         dist.all_reduce(total_sq)
     total = math.sqrt(total_sq.item())
     factor = max_norm / (total + 1e-6)

@@ -92,8 +92,11 @@ def process_group(topo: Topology, timeout_s: float = 300.0) -> Iterator[None]:
     if topo.device.type == "cuda":
         torch.cuda.set_device(topo.device)
     timeout = timedelta(seconds=timeout_s)
+    # With NCCL, a gloo side too: the loop's small control tensors (losses, timings,
+    # the stop flag, the gradient norm) and checkpoint coordination stay on the CPU.
+    backend = "cpu:gloo,cuda:nccl" if topo.backend == "nccl" else topo.backend
     dist.init_process_group(
-        backend=topo.backend,
+        backend=backend,
         rank=topo.rank,
         world_size=topo.world_size,
         timeout=timeout,

@@ -159,7 +159,10 @@ class GPT(nn.Module):
             raise ValueError("a model with tied embeddings cannot be cut into pipeline stages")
         names = list(self.blocks)
         if not 0 <= index < count <= len(names):
-            raise ValueError(f"stage {index} of {count} for {len(names)} blocks")
+            raise ValueError(
+                f"cannot cut {len(names)} blocks into {count} pipeline stages and keep stage "
+                f"{index}: every stage needs a block (raise model.layers or lower parallel.pp)"
+            )
         per, extra = divmod(len(names), count)
         start = index * per + min(index, extra)
         keep = names[start : start + per + (1 if index < extra else 0)]
