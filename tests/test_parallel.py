@@ -191,6 +191,7 @@ def test_a_checkpoint_resumes_under_other_layouts(
         _assert_same_training(got, finished("single"))
 
 
+@pytest.mark.parametrize("layout", ["fsdp", "pp-1f1b"])
 def test_killed_rank_restarts_and_ends_bitwise_identical(
     layout, tiny_token_shards, tracking, finished, tmp_path, monkeypatch
 ) -> None:
