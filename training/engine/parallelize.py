@@ -57,6 +57,8 @@ class Parallelized:
     topo: Topology
     # Whether running the whole model takes every rank (its weights are spread over them).
     forward_is_collective = True
+    # Whether every rank holds every gradient whole after backward (DDP's all-reduce).
+    replicated = False
 
     @property
     def whole(self) -> nn.Module | None:
@@ -77,7 +79,8 @@ class Parallelized:
         return self.whole(x)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.parts, max_norm, self.topo.mesh.get("pp", 1))
+        pipeline_stages = self.topo.mesh.get("pp", 1)
+        return clip_grad_norm(self.parts, max_norm, pipeline_stages, self.replicated)
 
     def forward_backward(
         self, x, y, loss_fn: LossFn, accum: int, autocast, measure_comm: bool
@@ -90,6 +93,7 @@ class DataParallel(Parallelized):
     timed by a communication hook (what backward waits after its last bucket)."""
 
     forward_is_collective = False
+    replicated = True
 
     def __init__(self, model: nn.Module, topo: Topology, compile_model: bool, optim) -> None:
         device_ids = [topo.device.index] if topo.device.type == "cuda" else None
@@ -196,13 +200,13 @@ class Pipelined(_Metered):
             loss, wall, compute = self.pipeline.step(x, y)
             started = time.perf_counter()
             replicate_gradients(self.parts, self.mesh, self.topo)
-            replicated = time.perf_counter() - started
+            averaged = time.perf_counter() - started
         # Idle time in the schedule is the bubble; collectives inside the stages'
         # compute (tp, fsdp) are sync wait, as sampled.
         inner = min(self.comm_seconds, compute)
         bubble = max(0.0, wall - compute)
         loss = loss if loss is not None else torch.zeros((), device=x.device)
-        return StepResult(loss, inner + replicated, bubble)
+        return StepResult(loss, inner + averaged, bubble)
 
 
 def shape_model(model: nn.Module, mesh, topo: Topology, par, pipelined: bool) -> None:

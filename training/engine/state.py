@@ -72,16 +72,20 @@ class TrainState:
             set_optimizer_state_dict(part, opt, state["optim"], options=partial)
 
 
-def clip_grad_norm(parts: list[nn.Module], max_norm: float, pipeline_stages: int = 1) -> float:
+def clip_grad_norm(
+    parts: list[nn.Module], max_norm: float, pipeline_stages: int = 1, replicated: bool = False
+) -> float:
     """Scale gradients so their global norm is at most `max_norm`; return the norm.
 
     The norm is over the whole model, so every rank computes the factor one process
     would. Each rank adds the squares of the gradient pieces it holds, each divided by
     how many ranks hold that same piece (the ranks of its pipeline stage, over the shards
-    a DTensor is cut into), and one all-reduce sums them.
+    a DTensor is cut into), and one all-reduce sums them. `replicated`: every rank holds
+    every gradient whole (DDP), so no communication is needed.
     """
     grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    distributed = dist.is_initialized() and not replicated
+    world = dist.get_world_size() if distributed else 1
     stage_ranks = world // pipeline_stages
     locals_, copies = [], []
     for grad in grads:
