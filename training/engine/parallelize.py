@@ -198,9 +198,9 @@ class Pipelined(_Metered):
     def forward_backward(self, x, y, loss_fn, accum, autocast, measure_comm) -> StepResult:
         with self._metered(measure_comm), autocast():
             loss, wall, compute = self.pipeline.step(x, y)
-            started = time.perf_counter()
-            replicate_gradients(self.parts, self.mesh, self.topo)
-            averaged = time.perf_counter() - started
+        started = time.perf_counter()
+        replicate_gradients(self.parts, self.mesh, self.topo)
+        averaged = time.perf_counter() - started
         # Idle time in the schedule is the bubble; collectives inside the stages'
         # compute (tp, fsdp) are sync wait, as sampled.
         inner = min(self.comm_seconds, compute)
