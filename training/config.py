@@ -433,9 +433,9 @@ class Config(_Section):
                 "train.compile: false to use sharding, tensor or pipeline parallelism"
             )
 
-    def pipeline_stages(self) -> int:
+    def pipeline_stages(self, mesh: dict[str, int] | None = None) -> int:
         """Model chunks the pipeline is cut into (pp, or pp x stages per rank)."""
-        pp = self.layout()["pp"]
+        pp = (mesh or self.layout())["pp"]
         interleaved = self.parallel.pp_schedule == "interleaved_1f1b"
         return pp * self.parallel.pp_stages_per_rank if interleaved and pp > 1 else pp
 

@@ -66,7 +66,9 @@ def worker_main(job: TrainJob) -> dict[str, Any] | None:
     """Entry point of each worker process started by torch.distributed.elastic."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = Config.model_validate(job.config)
-    topo = Topology.from_env(cfg.runtime.backend).with_mesh(cfg.layout())
+    topo = Topology.from_env(cfg.runtime.backend)
+    # The mesh for the ranks actually started (the launcher's world size is the truth).
+    topo = topo.with_mesh(cfg.parallel.degrees(topo.world_size))
     # N workers share the machine's cores: cap each so they don't oversubscribe.
     torch.set_num_threads(cfg.runtime.threads_per_worker)
     _set_determinism(cfg, topo)

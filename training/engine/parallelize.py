@@ -79,8 +79,7 @@ class Parallelized:
         return self.whole(x)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        pipeline_stages = self.topo.mesh.get("pp", 1)
-        return clip_grad_norm(self.parts, max_norm, pipeline_stages, self.replicated)
+        return clip_grad_norm(self.parts, max_norm, self.topo.mesh.get("pp", 1), self.replicated)
 
     def forward_backward(
         self, x, y, loss_fn: LossFn, accum: int, autocast, measure_comm: bool
@@ -259,5 +258,6 @@ def parallelize(build: Callable[[], nn.Module], cfg, topo: Topology, loss_fn) ->
         return DataParallel(model, topo, cfg.train.compile, cfg.optim)
     mesh = build_mesh(topo)
     if topo.mesh["pp"] > 1:
-        return Pipelined(build, mesh, topo, cfg.parallel, cfg.optim, cfg.pipeline_stages(), loss_fn)
+        stages = cfg.pipeline_stages(topo.mesh)
+        return Pipelined(build, mesh, topo, cfg.parallel, cfg.optim, stages, loss_fn)
     return Sharded(build(), mesh, topo, cfg.parallel, cfg.optim)

@@ -73,7 +73,7 @@ class TrainState:
 
 
 def clip_grad_norm(
-    parts: list[nn.Module], max_norm: float, pipeline_stages: int = 1, replicated: bool = False
+    parts: list[nn.Module], max_norm: float, pp_size: int = 1, replicated: bool = False
 ) -> float:
     """Scale gradients so their global norm is at most `max_norm`; return the norm.
 
@@ -86,7 +86,7 @@ def clip_grad_norm(
     grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
     distributed = dist.is_initialized() and not replicated
     world = dist.get_world_size() if distributed else 1
-    stage_ranks = world // pipeline_stages
+    stage_ranks = world // pp_size  # the ranks that hold one pipeline stage
     locals_, copies = [], []
     for grad in grads:
         if isinstance(grad, DTensor):
