@@ -246,7 +246,7 @@ def test_sigterm_checkpoints_exits_distinctly_and_resumes(
     [
         ("mlp", ((1, 1), (4, 1), (2, 2))),
         ("cnn", ((1, 1), (4, 1))),
-        ("gpt", ((1, 1), (4, 1))),
+        # gpt: tests/test_parallel.py holds 1 rank against every layout, losses per step.
     ],
 )
 def test_one_two_and_four_ranks_and_accumulation_agree(

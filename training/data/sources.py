@@ -219,8 +219,10 @@ def _parquet_chunks(path: Path, shown: str, cfg: DataConfig) -> Iterator[SourceC
 
 _CSV_BLOCK_BYTES = 1 << 22
 _FIELD_COUNT = re.compile(r"Expected (\d+) columns, got (\d+)")
+# Arrow names the row ("Row #202: ") only when its reader knows it, which depends on how
+# its threads split the file: the message is matched with or without it.
 _CONVERSION = re.compile(
-    r"In CSV column #(\d+): CSV conversion error to (\w+): invalid value '(.*)'"
+    r"In CSV column #(\d+): (?:Row #\d+: )?CSV conversion error to (\w+): invalid value '(.*)'"
 )
 
 
