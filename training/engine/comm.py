@@ -16,13 +16,14 @@ operator, so the loop turns it on for one sampled step per interval.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from training.engine.timing import adds_seconds
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 # torch.distributed calls that return only once the collective is done (unless async).
@@ -101,24 +102,13 @@ class CommMeter(TorchDispatchMode):
         # what runs while the meter is active; __exit__ puts the originals back.
         for name in _BLOCKING:
             original = self._originals[name] = getattr(dist, name)
-            setattr(dist, name, self._timed(original))
+            setattr(dist, name, adds_seconds(original, self))
         return super().__enter__()
 
     def __exit__(self, *exc):
         for name, original in self._originals.items():
             setattr(dist, name, original)
         return super().__exit__(*exc)
-
-    def _timed(self, collective: Callable) -> Callable:
-        @functools.wraps(collective)
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return collective(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - started
-
-        return timed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

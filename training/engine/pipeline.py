@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.engine.timing import adds_seconds
 from training.errors import ConfigError
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
@@ -44,14 +45,7 @@ class ComputeClock:
         self.seconds = 0.0
 
     def wrap(self, method: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - started
-
-        return timed
+        return adds_seconds(method, self)
 
 
 class Pipeline:

@@ -12,8 +12,10 @@ schedule is its bubble.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,20 @@ import torch.distributed as dist
 PHASES = ("data_wait", "compute", "sync_wait", "pipeline_bubble", "optimizer", "checkpoint_stall")
 # Phases in which a rank waits for others: not its own work.
 WAITING = ("sync_wait", "pipeline_bubble")
+
+
+def adds_seconds(fn: Callable, owner) -> Callable:
+    """`fn`, adding the seconds each call takes (even one that raises) to `owner.seconds`."""
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            owner.seconds += time.perf_counter() - started
+
+    return timed
 
 
 class SyncTimer:
