@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 PHASES = ("data_wait", "compute", "sync_wait", "pipeline_bubble", "optimizer", "checkpoint_stall")
-# Phases in which a rank waits for others: not its own work.
-WAITING = ("sync_wait", "pipeline_bubble")
+# Phases that say nothing about a slow rank: waiting for others, and checkpoints, which
+# every rank takes at the same steps (the coordinator, rank 0, does more of the work).
+NOT_BUSY = ("sync_wait", "pipeline_bubble", "checkpoint_stall")
 
 
 def adds_seconds(fn: Callable, owner) -> Callable:
@@ -80,14 +81,14 @@ class StepTimes:
 class RankTimes:
     rank: int
     per_step: dict[str, float]  # seconds per step in each phase
-    busy: float  # seconds per step not spent waiting for other ranks (sync, bubble)
+    busy: float  # seconds per step of the rank's own step work (see NOT_BUSY)
 
     @classmethod
     def from_vector(cls, rank: int, row: list[float]) -> RankTimes:
         steps = max(row[len(PHASES)], 1.0)
         per_step = {p: row[i] / steps for i, p in enumerate(PHASES)}
         per_step["wall"] = row[len(PHASES) + 1] / steps
-        return cls(rank, per_step, per_step["wall"] - sum(per_step[p] for p in WAITING))
+        return cls(rank, per_step, per_step["wall"] - sum(per_step[p] for p in NOT_BUSY))
 
 
 def gather_times(times: StepTimes, world_size: int) -> list[RankTimes]:
