@@ -61,3 +61,19 @@ def copy_project(root: Path) -> Path:
     subprocess.run([*git, "add", "-A"], cwd=root, check=True)
     subprocess.run([*git, "commit", "-qm", "clone"], cwd=root, check=True)
     return root
+
+
+def train_job(shards: Path, work: Path, cfg, tracking: tuple[str, str] | None = None):
+    """The launcher's job for `cfg` on `shards`, its files in `work` (checkpoints under
+    ckpt/, the model under model/), tracked into (uri, run id) when given."""
+    from training.engine.loop import TrainJob
+
+    uri, run_id = tracking or (None, None)
+    return TrainJob(
+        config=cfg.model_dump(),
+        shard_dir=str(shards),
+        job_dir=str(work / "ckpt"),
+        model_dir=str(work / "model"),
+        tracking_uri=uri,
+        run_id=run_id,
+    )

@@ -21,11 +21,10 @@ import torch
 
 from training.config import Config, load_config, update_params_file, write_overrides
 from training.engine.launch import PREEMPTED_EXIT_CODE, TrainingFailed, launch_workers
-from training.engine.loop import TrainJob
 from training.models import load_model_dir
 from training.tracking import client, ensure_experiment
 
-from .conftest import REPO
+from .conftest import REPO, train_job
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
@@ -74,15 +73,7 @@ def _shards(workload: str, request) -> Path:
 
 
 def _job(shards: Path, work: Path, cfg: Config, tracking: tuple[str, str] | None = None):
-    uri, run_id = tracking or (None, None)
-    return TrainJob(
-        config=cfg.model_dump(),
-        shard_dir=str(shards),
-        job_dir=str(work / "ckpt"),
-        model_dir=str(work / "model"),
-        tracking_uri=uri,
-        run_id=run_id,
-    )
+    return train_job(shards, work, cfg, tracking)
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:

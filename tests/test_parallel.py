@@ -16,9 +16,10 @@ import torch
 
 from training.config import Config
 from training.engine.launch import TrainingFailed, launch_workers
-from training.engine.loop import TrainJob
 from training.models import load_model_dir
 from training.tracking import client, ensure_experiment
+
+from .conftest import train_job
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -91,14 +92,7 @@ def _run(shards: Path, work: Path, cfg: Config, tracking, run_id: str | None = N
     """Train `cfg` in `work` into an MLflow run (a new one unless given); return it."""
     uri, experiment = tracking
     run_id = run_id or client(uri).create_run(experiment).info.run_id
-    job = TrainJob(
-        config=cfg.model_dump(),
-        shard_dir=str(shards),
-        job_dir=str(work / "ckpt"),
-        model_dir=str(work / "model"),
-        tracking_uri=uri,
-        run_id=run_id,
-    )
+    job = train_job(shards, work, cfg, (uri, run_id))
     launch_workers(job, cfg.runtime.world_size, max_restarts=restarts)
     return run_id
 
