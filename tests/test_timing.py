@@ -6,7 +6,7 @@ from training.engine.timing import PHASES, RankTimes, find_stragglers, interval_
 
 
 def _rank(rank: int, busy: float, sync: float) -> RankTimes:
-    row = [0.0] * (len(PHASES) + 2)
+    row = [0.0] * (len(PHASES) + 3)  # phases, steps, wall, bytes
     row[PHASES.index("compute")] = busy * 10
     row[PHASES.index("sync_wait")] = sync * 10
     row[len(PHASES)] = 10  # steps

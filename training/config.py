@@ -247,6 +247,31 @@ class ParallelConfig(_Section):
     reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="dtype gradients are reduced in, when sharded"
     )
+    # How the data-parallel replicas combine their work (training.engine.updates). Unlike
+    # the layout above, these change what is computed: they are part of the job (UPDATE_KEYS).
+    update: Literal["sync", "local_sgd", "diloco", "async"] = Field(
+        "sync", description="sync | local_sgd | diloco | async (parameter server)"
+    )
+    sync_every: int = Field(8, ge=1, description="local_sgd/diloco: local steps per sync (H)")
+    sync_warmup_steps: int = Field(
+        0, ge=0, description="local_sgd/diloco: steps of every-step sync first (post-local SGD)"
+    )
+    outer_lr: float = Field(0.7, gt=0, description="diloco: outer SGD learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: outer Nesterov momentum")
+    max_staleness: int = Field(
+        2, ge=0, description="async: server steps a gradient may lag (0 is synchronous)"
+    )
+    grad_compression: Literal["none", "fp16", "powersgd"] = Field(
+        "none", description="how data-parallel gradients travel: none | fp16 | powersgd"
+    )
+    powersgd_rank: int = Field(4, ge=1, description="powersgd: rank of the low-rank factors")
+    # Straggler mitigation: same rows, same gradient, only who computes what moves.
+    balance: Literal["even", "measured"] = Field(
+        "even", description="measured: each rank's batch share follows its throughput"
+    )
+    balance_every_logs: int = Field(
+        2, ge=1, description="measured: re-measure shares every N logging intervals"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -348,7 +373,9 @@ class Config(_Section):
     def identity(self) -> dict[str, Any]:
         """What defines the job (with the data version): everything that computes the
         model, nothing about how the job runs."""
-        return {section: getattr(self, section).model_dump() for section in JOB_SECTIONS}
+        identity = {section: getattr(self, section).model_dump() for section in JOB_SECTIONS}
+        flat = self.flat()
+        return identity | {"update": {key: flat[key] for key in UPDATE_KEYS}}
 
     @model_validator(mode="after")
     def _sections_agree(self) -> Config:
@@ -427,10 +454,49 @@ class Config(_Section):
                 "parallel.param_dtype and reduce_dtype apply to sharded parameters: set "
                 "parallel.dp_shard > 1, or leave them at auto/fp32"
             )
+        self._check_update_rule(mesh)
         if train.compile and (mesh["tp"] > 1 or mesh["pp"] > 1 or sharded):
             raise ValueError(
                 "train.compile works with plain data parallelism (DDP) only for now: set "
                 "train.compile: false to use sharding, tensor or pipeline parallelism"
+            )
+
+    def _check_update_rule(self, mesh: dict[str, int]) -> None:
+        """Update rules, compression and measured balance act on plain data-parallel
+        replicas (DDP); refuse what they cannot be combined with, naming the keys."""
+        par, train = self.parallel, self.train
+        split = [f"parallel.{d}={mesh[d]}" for d in ("dp_shard", "tp", "pp") if mesh[d] > 1]
+        wanted = [
+            f"parallel.{key}={value}"
+            for key, value, default in (
+                ("update", par.update, "sync"),
+                ("grad_compression", par.grad_compression, "none"),
+                ("balance", par.balance, "even"),
+            )
+            if value != default
+        ]
+        if split and wanted:
+            raise ValueError(
+                f"{wanted[0]} acts on whole replicas (plain data parallelism), not with "
+                f"{split[0]}: set {split[0].split('=')[0]}=1, or leave {wanted[0].split('=')[0]} "
+                "at its default"
+            )
+        if par.grad_compression != "none" and par.update != "sync":
+            raise ValueError(
+                f"parallel.grad_compression={par.grad_compression} compresses the every-step "
+                f"gradient all-reduce; parallel.update={par.update} does not make one (it "
+                "averages parameters or pushes gradients to a server): use one or the other"
+            )
+        if par.balance == "measured" and par.update != "sync":
+            raise ValueError(
+                f"parallel.balance=measured evens out synchronous steps; parallel.update="
+                f"{par.update} does not wait for every rank each step: set parallel.balance: "
+                "even, or parallel.update: sync"
+            )
+        if train.compile and (par.update != "sync" or par.balance == "measured"):
+            raise ValueError(
+                "train.compile works with synchronous, evenly split steps only for now: set "
+                "train.compile: false, or parallel.update: sync and parallel.balance: even"
             )
 
     def pipeline_stages(self, mesh: dict[str, int] | None = None) -> int:
@@ -443,8 +509,30 @@ class Config(_Section):
 # What defines a job, with the data version: its key, its DVC params, its MLflow run.
 JOB_SECTIONS = ("shard", "task", "model", "optim", "train")
 # Sections that say where results are recorded or how a job runs, not what it computes:
-# no DVC stage depends on them, so changing them never makes a stage stale.
+# no DVC stage depends on them, so changing them never makes a stage stale...
 UNTRACKED_SECTIONS = frozenset({"runtime", "parallel", "registry", "orchestrate"})
+# ...except the update rule's keys: local SGD, DiLoCo, async updates and compressed
+# gradients compute a different model, so they belong to the job like optim's keys.
+UPDATE_KEYS = tuple(
+    f"parallel.{k}"
+    for k in (
+        "update",
+        "sync_every",
+        "sync_warmup_steps",
+        "outer_lr",
+        "outer_momentum",
+        "max_staleness",
+        "grad_compression",
+        "powersgd_rank",
+    )
+)
+
+
+def is_tracked(key: str) -> bool:
+    """Whether `section.key` is part of the job (a DVC param, an MLflow param)."""
+    return key.split(".")[0] not in UNTRACKED_SECTIONS or key in UPDATE_KEYS
+
+
 # Keys that moved when `train` was split; an old params.yaml or --set gets pointed on.
 MOVED_KEYS = {
     **{f"train.{k}": f"runtime.{k}" for k in RuntimeConfig.model_fields},

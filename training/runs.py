@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.atomic import write_json
-from training.config import Config
+from training.config import Config, is_tracked
 from training.project import JobDir
 from training.tracking import (
     FLOW_RUN_ENV,
@@ -47,9 +47,15 @@ class JobRun:
 
 
 def open_job_run(
-    root: Path, cfg: Config, tracking_uri: str, data_version: str, checkpoints: Path
+    root: Path,
+    cfg: Config,
+    tracking_uri: str,
+    data_version: str,
+    checkpoints: Path,
+    tags: dict[str, str] | None = None,
 ) -> JobRun:
-    """Resume the unfinished run of this job, or start a fresh one."""
+    """Resume the unfinished run of this job, or start a fresh one; `tags` go on a fresh
+    run beside gradline's own (e.g. `mlflow.parentRunId` for a comparison's child)."""
     key = job_key(cfg, data_version)
     job_dir = JobDir(checkpoints / key)
     mlflow_client = client(tracking_uri)
@@ -67,7 +73,7 @@ def open_job_run(
         cfg.registry.experiment,
         default_artifact_location(root, tracking_uri),
     )
-    tags = {TAG_DATA_VERSION: data_version, TAG_JOB_KEY: key}
+    tags = {**(tags or {}), TAG_DATA_VERSION: data_version, TAG_JOB_KEY: key}
     if commit := git_commit(root):
         tags[TAG_GIT_COMMIT] = commit[0]
         tags[TAG_GIT_DIRTY] = str(commit[1]).lower()
@@ -79,7 +85,7 @@ def open_job_run(
 
     # Params are what defines the run; how it ran (runtime, parallel layout) may change
     # between attempts of the same job, so it goes into tags, set again on every attempt.
-    params = [Param(k, str(v)) for k, v in cfg.flat().items() if not k.startswith(HOW_PREFIXES)]
+    params = [Param(k, str(v)) for k, v in cfg.flat().items() if is_tracked(k)]
     mlflow_client.log_batch(run_id, params=params)
     log_runtime(mlflow_client, run_id, cfg)
     log_dataset(mlflow_client, run_id, cfg, root, data_version)
@@ -87,7 +93,7 @@ def open_job_run(
     return JobRun(run_id, job_dir, resumed=False)
 
 
-HOW_PREFIXES = ("runtime.", "parallel.")  # how a job runs: tags, not params
+HOW_PREFIXES = ("runtime.", "parallel.")  # how a job runs: tags, not params (but UPDATE_KEYS)
 
 
 def log_runtime(mlflow_client, run_id: str, cfg: Config) -> None:
@@ -96,7 +102,9 @@ def log_runtime(mlflow_client, run_id: str, cfg: Config) -> None:
     from mlflow.entities import RunTag
 
     tags = [
-        RunTag(f"gradline.{k}", str(v)) for k, v in cfg.flat().items() if k.startswith(HOW_PREFIXES)
+        RunTag(f"gradline.{k}", str(v))
+        for k, v in cfg.flat().items()
+        if k.startswith(HOW_PREFIXES) and not is_tracked(k)
     ]
     mlflow_client.log_batch(run_id, tags=tags)
 

@@ -48,6 +48,13 @@ def rank_slice(batch_index: int, global_batch: int, world_size: int, rank: int) 
     return slice(start, start + per_rank)
 
 
+def share_slice(batch_index: int, global_batch: int, shares: list[int], rank: int) -> slice:
+    """Positions rank `rank` reads for one global batch when ranks take `shares` rows
+    each (consecutive slices, summing to the global batch: the same rows as any split)."""
+    start = batch_index * global_batch + sum(shares[:rank])
+    return slice(start, start + shares[rank])
+
+
 def strided_rows(num_rows: int, world_size: int, rank: int) -> np.ndarray:
     """Evaluation split: rank r takes rows r, r+W, ...; every row is read exactly once."""
     return np.arange(rank, num_rows, world_size)
@@ -180,6 +187,7 @@ class RankLoader:
         world_size: int,
         global_batch: int,
         seed: int,
+        shares: list[int] | None = None,
     ) -> None:
         if batches_per_epoch(reader.num_rows, global_batch) == 0:
             raise DataError(
@@ -192,6 +200,8 @@ class RankLoader:
         self.world_size = world_size
         self.global_batch = global_batch
         self.seed = seed
+        # Rows per rank of each global batch: even unless balanced by measured throughput.
+        self.shares = list(shares) if shares else None
 
     @property
     def batches_per_epoch(self) -> int:
@@ -205,7 +215,8 @@ class RankLoader:
         fixed cost (tens of microseconds of Python) would otherwise be a visible share of
         a step."""
         order = epoch_permutation(self.reader.num_rows, self.seed, epoch)
-        per_rank = self.global_batch // self.world_size
+        shares = self.shares
+        per_rank = shares[self.rank] if shares else self.global_batch // self.world_size
         batch_bytes = per_rank * self.reader.row_bytes
         # Grouping costs a second copy (back to batch order): worth it only where the
         # fixed cost of a gather dominates, i.e. for small batches.
@@ -214,8 +225,8 @@ class RankLoader:
         wanted = np.arange(start, self.batches_per_epoch, every)
         for first in range(0, len(wanted), group):
             ks = wanted[first : first + group]
-            # rank_slice is the assignment the property tests check; use it, not a copy.
-            slices = [rank_slice(int(k), self.global_batch, self.world_size, self.rank) for k in ks]
+            # rank_slice/share_slice are the assignments the property tests check.
+            slices = [self._slice(int(k)) for k in ks]
             rows = np.sort(np.stack([order[sl] for sl in slices]), axis=1)
             if len(ks) == 1:
                 yield self.reader.gather(rows[0])
@@ -228,6 +239,11 @@ class RankLoader:
             for i in range(len(ks)):
                 batch = slice(i * per_rank, (i + 1) * per_rank)
                 yield features[batch], labels[batch]
+
+    def _slice(self, batch_index: int) -> slice:
+        if self.shares:
+            return share_slice(batch_index, self.global_batch, self.shares, self.rank)
+        return rank_slice(batch_index, self.global_batch, self.world_size, self.rank)
 
     def tensors(
         self, epoch: int, start: int = 0, workers: int = 0, pin_memory: bool = False
@@ -242,6 +258,7 @@ class RankLoader:
             "world_size": self.world_size,
             "global_batch": self.global_batch,
             "seed": self.seed,
+            "shares": self.shares,
         }
         yield from torch.utils.data.DataLoader(
             _RankEpoch(

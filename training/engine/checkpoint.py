@@ -118,14 +118,17 @@ def load_into(path: Path, state: dict[str, Any], group=None) -> None:
     dcp.load(state, checkpoint_id=path, process_group=group)
 
 
-def load_model_weights(path: Path, model: torch.nn.Module) -> None:
-    """Fill a full, unsharded model from the checkpoint's "model" part, in this process
-    alone (no process group): how the final model is consolidated. The optimizer's state
-    is not read."""
+def load_model_weights(path: Path, model: torch.nn.Module, key: str = "model") -> None:
+    """Fill a full, unsharded model from the checkpoint's "model" part (or the part at
+    dotted `key`), in this process alone (no process group): how the final model is
+    consolidated. The optimizer's state is not read."""
     weights = model.state_dict()
+    nested: dict[str, Any] = weights
+    for part in reversed(key.split(".")):
+        nested = {part: nested}
     with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+        dcp.load(nested, checkpoint_id=path, no_dist=True)
     model.load_state_dict(weights)
 
 

@@ -16,8 +16,9 @@ operator, so the loop turns it on for one sampled step per interval.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -123,3 +124,38 @@ class CommMeter(TorchDispatchMode):
         self.bytes_sent += ring_bytes(op, _payload(named), _group_size(named))
         self.calls += 1
         return out
+
+
+# torch.distributed calls a data-parallel step makes (DDP's hooks, parameter averaging),
+# with the ring_bytes name of what each one does.
+_WIRE_CALLS = {"all_reduce": "allreduce", "broadcast": "broadcast", "send": "send", "isend": "send"}
+
+
+class WireCounter:
+    """Bytes this rank hands to torch.distributed while `active()`: one wrapper per call
+    (not per operator, unlike CommMeter), so it can stay on for every step. Under plain
+    data parallelism every byte of a step goes through these calls: the gradient hooks
+    (full, fp16 or PowerSGD factors) and local SGD's parameter averaging."""
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0.0
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        originals = {name: getattr(dist, name) for name in _WIRE_CALLS}
+        for name, original in originals.items():
+            setattr(dist, name, self._counting(original, _WIRE_CALLS[name]))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(dist, name, original)
+
+    def _counting(self, fn: Callable, op: str) -> Callable:
+        def counted(tensor, *args, **kwargs):
+            group = kwargs.get("group")
+            n = dist.get_world_size(group) if op != "send" else 2
+            self.bytes_sent += ring_bytes(op, tensor.numel() * tensor.element_size(), n)
+            return fn(tensor, *args, **kwargs)
+
+        return counted

@@ -14,6 +14,7 @@ from training.config import Config
 from training.data.shards import read_manifest
 from training.data.spec import DataSpec
 from training.engine.checkpoint import find_latest, load_model_weights
+from training.engine.updates import model_key
 from training.errors import GradlineError
 
 
@@ -38,7 +39,7 @@ def consolidate_model(cfg: Config, shard_dir: Path, job_dir: Path, model_dir: Pa
     manifest = read_manifest(shard_dir)
     data = DataSpec.from_manifest(manifest)
     model = build_model(cfg.model, cfg.task.type, data)
-    load_model_weights(found[0], model)
+    load_model_weights(found[0], model, model_key(found[1]))
     spec = ModelSpec(task=cfg.task.type, model=cfg.model.model_dump(), data=data.to_dict())
     tokenizer = manifest.get("tokenizer") or {}
     tokenizer_file = shard_dir / tokenizer["file"] if tokenizer.get("file") else None

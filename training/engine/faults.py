@@ -5,8 +5,13 @@ Format: `KIND:rank=R:step=S[:seconds=X][:attempt=A][:once=1]`, several separated
   fail   - raise at step S on every attempt; with once=1 only the first time in a job,
            even across launches (a crash that a retried task gets past)
   stall  - stop making progress at step S (sleeps `seconds`, default forever)
-  slow   - sleep `seconds` in every step from step S on (a straggler)
-Unset, it costs one attribute check per step.
+  slow   - from step S on, every step: sleep `seconds`, or with `factor=F` stretch the
+           step's compute F times (a slower device: the delay follows the rank's share)
+  term   - at step S, send SIGTERM to the launcher (this worker's parent): a preemption
+           notice, as a cluster manager gives, that the job saves and stops on
+  hiccup - from step S on, with probability `prob` per step, stall for `factor` times the
+           step's compute (a transient straggler; a seeded draw per rank and step)
+rank=-1 applies a fault to every rank. Unset, it costs one attribute check per step.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class Fault:
     seconds: float = 0.0
     attempt: int = 0
     once: bool = False
+    factor: float = 0.0
+    prob: float = 0.0
 
     @property
     def marker(self) -> str:
@@ -44,7 +51,7 @@ def parse(spec: str) -> list[Fault]:
     for item in filter(None, (part.strip() for part in spec.split(";"))):
         kind, *fields = item.split(":")
         values = dict(f.split("=", 1) for f in fields)
-        if kind not in ("kill", "fail", "stall", "slow"):
+        if kind not in ("kill", "fail", "stall", "slow", "hiccup", "term"):
             raise ValueError(f"{ENV}: unknown fault kind {kind!r} in {item!r}")
         faults.append(
             Fault(
@@ -54,6 +61,8 @@ def parse(spec: str) -> list[Fault]:
                 float(values.get("seconds", 0.0)),
                 int(values.get("attempt", 0)),
                 values.get("once", "0") not in ("0", "false", ""),
+                float(values.get("factor", 0.0)),
+                float(values.get("prob", 0.0)),
             )
         )
     return faults
@@ -62,8 +71,8 @@ def parse(spec: str) -> list[Fault]:
 class FaultPlan:
     def __init__(self, faults: list[Fault], rank: int, record_dir: Path | None = None) -> None:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.faults = [f for f in faults if f.rank == rank]
-        self.attempt = attempt
+        self.faults = [f for f in faults if f.rank in (rank, -1)]
+        self.rank, self.attempt = rank, attempt
         self.active = bool(self.faults)
         self.record_dir = record_dir
 
@@ -77,7 +86,7 @@ class FaultPlan:
         for fault in self.faults:
             if fault.kind == "slow" and step >= fault.step:
                 time.sleep(fault.seconds)
-            elif step != fault.step:
+            elif step != fault.step or fault.kind == "hiccup":
                 continue
             elif fault.kind == "kill" and self.attempt == fault.attempt:
                 if self.record_dir is not None:  # when, for recovery-time measurements
@@ -92,5 +101,29 @@ class FaultPlan:
                         continue
                     marker.write_text("")
                 raise InjectedFailure(f"injected failure at step {step}")
+            elif fault.kind == "term" and self.attempt == fault.attempt:
+                os.kill(os.getppid(), signal.SIGTERM)
             elif fault.kind == "stall":
                 time.sleep(fault.seconds or 10**6)
+
+    def stretch(self, step: int, compute_seconds: float) -> float:
+        """Seconds to add to a step whose compute took `compute_seconds` (slow with a
+        factor, hiccups); the caller sleeps them inside its compute phase."""
+        if not self.active:
+            return 0.0
+        extra = 0.0
+        for fault in self.faults:
+            if step < fault.step:
+                continue
+            if fault.kind == "slow" and fault.factor > 1:
+                extra += (fault.factor - 1) * compute_seconds
+            elif fault.kind == "hiccup" and _draw(self.rank, step) < fault.prob:
+                extra += fault.factor * compute_seconds
+        return extra
+
+
+def _draw(rank: int, step: int) -> float:
+    """A uniform draw fixed by (rank, step): a rerun hiccups at the same steps."""
+    import random
+
+    return random.Random(rank * 1_000_003 + step).random()

@@ -38,6 +38,10 @@ class Instruments:
         started = time.perf_counter()
         yield
         seconds = time.perf_counter() - started
+        if name == "compute" and self.faults.active:  # an emulated slower device
+            extra = self.faults.stretch(step, seconds)
+            time.sleep(extra)
+            seconds += extra
         self.times.add(name, seconds)
         self.loop_seconds += seconds
 

@@ -22,16 +22,20 @@ class IntervalLog:
         self.last: dict[str, float] = {}  # the latest value of every metric
         self.stragglers: dict[int, dict[str, float]] = {}
         self.closed = 0  # intervals closed in this attempt
+        # Running totals over the whole job (kept in checkpoints): what plots of loss
+        # against time and bytes need. Bytes are the mean over ranks of what each sent.
+        self.totals = {"comm_bytes_total": 0.0, "train_seconds": 0.0, "steps_counted": 0.0}
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self.losses.append(loss)
 
-    def close(self, step: int, lr: float, final: bool = False) -> None:
+    def close(self, step: int, lr: float, final: bool = False) -> list | None:
         """Exchange losses and time breakdown; rank 0 logs them and names stragglers.
-        A collective: every rank calls it at the same steps (`final` only if needed)."""
+        A collective: every rank calls it at the same steps (`final` only if needed).
+        Returns every rank's times for the interval (None if there was nothing to log)."""
         if final and not self.losses:
-            return
-        topo, first = self.topo, step - len(self.losses) + 1
+            return None
+        topo, first, steps = self.topo, step - len(self.losses) + 1, len(self.losses)
         # Each data-parallel share's loss once (not once per tensor-parallel rank or
         # pipeline stage), averaged over the shares.
         losses = reduce_over_shares(torch.stack(self.losses).double().cpu(), topo) / topo.dp_size
@@ -40,6 +44,11 @@ class IntervalLog:
         metrics = {"lr": lr, **interval_metrics(ranks)}
         wall = max(r.per_step["wall"] for r in ranks)
         metrics["samples_per_s"] = self.cfg.train.batch_size / wall if wall > 0 else 0.0
+        self.totals["comm_bytes_total"] += metrics["comm_bytes_per_step"] * steps
+        self.totals["train_seconds"] += wall * steps
+        self.totals["steps_counted"] += steps
+        metrics.update(comm_bytes_total=self.totals["comm_bytes_total"])
+        metrics.update(train_seconds=self.totals["train_seconds"])
         self.closed += 1
         # The first interval of an attempt holds start-up effects (lazy allocations,
         # cold caches, ranks starting apart): it says nothing about a slow rank.
@@ -57,6 +66,7 @@ class IntervalLog:
         self.last.update(train_loss=losses[-1].item(), **metrics)
         self.losses = []
         self.times.reset()
+        return ranks
 
     def log_validation(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         metrics = {**metrics, "epoch": epoch}
@@ -83,4 +93,7 @@ class IntervalLog:
             "loop_seconds": instruments.loop_seconds,
             "loop_steps": instruments.loop_steps,
             "checkpoint_stall_seconds": stall_seconds,
+            # Over the whole job, not the last interval: what comparisons of rules use.
+            "comm_bytes_per_step": self.totals["comm_bytes_total"]
+            / max(self.totals["steps_counted"], 1.0),
         }

@@ -27,6 +27,7 @@ from training.config import Config
 from training.data.loader import LoaderPosition, RankLoader, open_reader, strided_rows
 from training.data.shards import read_manifest
 from training.data.spec import DataSpec
+from training.engine.balance import Balancer
 from training.engine.checkpoint import Checkpointer, find_latest, load_into
 from training.engine.health import record_failure
 from training.engine.instruments import Instruments
@@ -136,6 +137,7 @@ class Setup:
     model: Parallelized  # with its optimizers (model.optimizer)
     total_steps: int
     sampler: Any  # language models: model -> sampled continuations of fixed prompts
+    balancer: Balancer  # rows per rank of each global batch
 
 
 def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
@@ -144,6 +146,8 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
     manifest = read_manifest(shard_dir)
     data = DataSpec.from_manifest(manifest)
     context = context_length(cfg.model, cfg.task.type)
+    quantum = cfg.train.grad_accum_steps  # every micro-batch gets rows
+    balancer = Balancer(cfg.parallel, cfg.train.batch_size, topo.dp_rank, topo.dp_size, quantum)
     loader = RankLoader(
         open_reader(shard_dir, manifest, "train", context=context),
         rank=topo.dp_rank,
@@ -170,6 +174,7 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         model=model,
         total_steps=min(total, cfg.train.max_steps or total),
         sampler=_sampler(cfg, shard_dir, manifest, context),
+        balancer=balancer,
     )
 
 
@@ -202,7 +207,9 @@ def _sampler(cfg: Config, shard_dir: Path, manifest: dict[str, Any], context: in
     )
 
 
-def resume(setup: Setup, topo: Topology, job_dir: JobDir) -> tuple[LoaderPosition, int, str]:
+def resume(
+    setup: Setup, topo: Topology, job_dir: JobDir, intervals: IntervalLog
+) -> tuple[LoaderPosition, int, str]:
     """Rank 0 picks the newest complete checkpoint, so every rank resumes from the same
     one; each rank then loads its own shards of it, whatever layout wrote it."""
     found = find_latest(job_dir.path) if topo.is_main else None
@@ -210,17 +217,21 @@ def resume(setup: Setup, topo: Topology, job_dir: JobDir) -> tuple[LoaderPositio
     if not chosen:
         return LoaderPosition(), 0, ""
     resume_from, train_state = chosen
-    state = setup.model.state
+    state = setup.model.resume_state(train_state)
     shards = state.state_dict()  # this layout's shards, filled in place from the checkpoint
     load_into(Path(resume_from), shards)
     state.load_state_dict(shards)
+    setup.balancer.restore(train_state.get("shares"))
+    setup.loader.shares = setup.balancer.shares
+    intervals.totals.update(train_state.get("totals", {}))
     step = int(train_state["step"])
     log.info("rank %d resumed from %s at step %d", topo.rank, resume_from, step)
     return LoaderPosition.from_state_dict(train_state["loader"]), step, resume_from
 
 
 def train_step(cfg: Config, setup: Setup, topo: Topology, batch, step: int, inst) -> torch.Tensor:
-    """One optimizer step on this rank's share of a global batch; returns its mean loss."""
+    """One optimizer step on this rank's share of a global batch, then the update rule's
+    sync if one is due; returns the share's loss (weighted by its size)."""
     x, y = batch
     model = setup.model
     measure = (step + 1) % cfg.runtime.log_every_steps == 0  # sample communication
@@ -234,7 +245,10 @@ def train_step(cfg: Config, setup: Setup, topo: Topology, batch, step: int, inst
             cfg.train.grad_accum_steps,
             lambda: _autocast(cfg, topo),
             measure,
+            step=step,
+            loss_scale=setup.balancer.loss_scale,
         )
+    inst.times.bytes_sent += outcome.bytes_sent
     inst.move(outcome.sync_wait, "compute", "sync_wait")
     inst.move(outcome.bubble, "compute", "pipeline_bubble")
     with inst.phase("optimizer", step):
@@ -244,6 +258,8 @@ def train_step(cfg: Config, setup: Setup, topo: Topology, batch, step: int, inst
             model.clip_grad_norm(cfg.optim.grad_clip)
         setup.model.optimizer.step()
         setup.model.optimizer.zero_grad(set_to_none=True)
+    with inst.phase("sync_wait", step):  # local SGD / DiLoCo: average every H steps
+        inst.times.bytes_sent += model.after_step(step + 1)
     inst.step_done()
     return outcome.loss
 
@@ -289,9 +305,9 @@ def _preempt_requested(job_dir: JobDir) -> bool:
 def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any] | None:
     rt, job_dir = cfg.runtime, JobDir(Path(job.job_dir))
     setup = set_up(cfg, topo, Path(job.shard_dir))
-    position, step, resumed_from = resume(setup, topo, job_dir)
     inst = Instruments(job_dir, topo.rank)
     intervals = IntervalLog(cfg, topo, setup, tracker, inst.times)
+    position, step, resumed_from = resume(setup, topo, job_dir, intervals)
     checkpointer = Checkpointer.for_job(topo, job_dir.path, rt, tracker)
     checkpointer.last_step = step  # what we resumed from is on disk already
     progress = Progress("train", setup.total_steps, "steps", done=step) if topo.is_main else None
@@ -303,6 +319,9 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
             "loader": position.state_dict(),
             "world_size": topo.world_size,
             "mesh": topo.mesh,
+            "shares": setup.balancer.shares,
+            "totals": dict(intervals.totals),
+            **setup.model.checkpoint_info(),
         }
         with inst.phase("checkpoint_stall", step):
             checkpointer.save(step, setup.model.state.state_dict(), train_state, intervals.last)
@@ -331,6 +350,9 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
                     x, y = x.to(topo.device, non_blocking=True), y.to(topo.device, True)
             intervals.add_loss(train_step(cfg, setup, topo, (x, y), step, inst))
             step += 1
+            if step == setup.total_steps:  # one model: local replicas average a last time
+                with inst.phase("sync_wait", step):
+                    inst.times.bytes_sent += setup.model.finish(step)
             position = LoaderPosition(epoch=epoch, batch_index=index + 1)
             if progress is not None:
                 progress.advance()
@@ -339,7 +361,14 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
             # find every step up to it already journaled, or its losses would be lost.
             if step % rt.log_every_steps == 0 or checkpoint_due:
                 inst.collective(step)
-                intervals.close(step, setup.model.optimizer.param_groups[0]["lr"])
+                ranks = intervals.close(step, setup.model.optimizer.param_groups[0]["lr"])
+                if setup.balancer.remeasure(ranks, intervals.closed):
+                    # New shares from the next global batch on: every rank re-reads.
+                    setup.loader.shares = setup.balancer.shares
+                    batches = setup.loader.tensors(epoch, index + 1, rt.loader_workers, on_gpu)
+                    tracker.log_metrics(setup.balancer.metrics(), step)
+                    if topo.is_main:
+                        log.info("balance: rows per rank now %s", setup.balancer.shares)
             if checkpoint_due:
                 save()
             if rt.eval_every_steps and step % rt.eval_every_steps == 0:

@@ -5,7 +5,9 @@ model: this rank's model parts with their optimizers, and how to run one step's 
 and backward on this rank's share of a batch. Three layouts:
 
 - `DataParallel`: every rank holds the whole model; DDP all-reduces gradients during
-  backward (the default, and what nothing sharded or split means).
+  backward (the default, and what nothing sharded or split means), compressed as
+  configured (compression.py), or replicas step locally and sync by an update rule
+  (updates.py: local SGD, DiLoCo).
 - `Sharded`: tensor parallelism (tp), then activation checkpointing, then FSDP2 over the
   data-parallel ranks (dp_shard; HSDP when dp_replicate > 1 too). Each rank holds a
   shard of the parameters, gradients and optimizer state.
@@ -27,7 +29,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from training.engine.comm import CommMeter
+from training.engine.comm import CommMeter, WireCounter
+from training.engine.compression import GradientReducer
 from training.engine.pipeline import Pipeline, cut_stage, stage_indices
 from training.engine.sharding import (
     apply_activation_checkpointing,
@@ -36,8 +39,8 @@ from training.engine.sharding import (
     average_gradients,
 )
 from training.engine.state import OptimizerGroup, TrainState, clip_grad_norm
-from training.engine.timing import SyncTimer
 from training.engine.topology import Topology
+from training.engine.updates import ReplicaState, check_replicas, make_rule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -47,6 +50,7 @@ class StepResult:
     loss: torch.Tensor  # this rank's mean loss (zero where the rank computes none)
     sync_wait: float  # seconds waiting for other ranks in collectives
     bubble: float = 0.0  # seconds a pipeline stage waited for its neighbours
+    bytes_sent: float = 0.0  # bytes this rank sent (counted; sampled where metered)
 
 
 class Parallelized:
@@ -82,45 +86,113 @@ class Parallelized:
         return clip_grad_norm(self.parts, max_norm, self.topo.mesh.get("pp", 1), self.replicated)
 
     def forward_backward(
-        self, x, y, loss_fn: LossFn, accum: int, autocast, measure_comm: bool
+        self,
+        x,
+        y,
+        loss_fn: LossFn,
+        accum: int,
+        autocast,
+        measure_comm: bool,
+        step: int = 0,
+        loss_scale: float = 1.0,
     ) -> StepResult:
+        """One step's forward and backward on this rank's share; `loss_scale` weights the
+        share's mean loss (uneven shares: see training.engine.balance)."""
         raise NotImplementedError
+
+    def after_step(self, done: int) -> float:
+        """After the optimizer step, with `done` steps taken: the update rule's sync, if
+        one is due. Returns the bytes this rank sent for it."""
+        return 0.0
+
+    def finish(self, done: int) -> float:
+        """Before the final checkpoint: replicas become the job's one model."""
+        return 0.0
+
+    def checkpoint_info(self) -> dict:
+        """What a checkpoint's train state records about how the state was laid out."""
+        return {}
+
+    def resume_state(self, train_state: dict):
+        """The state to load a checkpoint written with `train_state` into."""
+        return self.state
 
 
 class DataParallel(Parallelized):
-    """DDP: a full replica per rank, gradients all-reduced in buckets during backward,
-    timed by a communication hook (what backward waits after its last bucket)."""
+    """DDP: a full replica per rank, gradients all-reduced in buckets during backward by
+    a communication hook that times them (what backward waits after its last bucket)
+    and compresses them as configured. Under local SGD and DiLoCo, steps between syncs
+    skip DDP and its all-reduce; the rule averages the replicas every H steps."""
 
     forward_is_collective = False
     replicated = True
 
-    def __init__(self, model: nn.Module, topo: Topology, compile_model: bool, optim) -> None:
+    def __init__(self, model: nn.Module, topo: Topology, compile_model: bool, optim, par) -> None:
         device_ids = [topo.device.index] if topo.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(model, device_ids=device_ids)
-        self.timer = SyncTimer(topo.world_size)
-        self.ddp.register_comm_hook(None, self.timer.hook)
+        self.reducer = GradientReducer(topo.world_size, par.grad_compression, par.powersgd_rank)
+        self.ddp.register_comm_hook(None, self.reducer.hook)
+        self.rule = make_rule(model, topo.world_size, par)
+        self.wire = WireCounter()  # every byte of a step goes through it
         self.call = torch.compile(self.ddp) if compile_model else self.ddp
         self.parts, self.world_size, self.topo = [model], topo.world_size, topo
         self.optimizer = OptimizerGroup(self.parts, optim.lr, optim.weight_decay)
+        self.same_replicas = True  # whether the resumed checkpoint had this many replicas
 
-    def forward_backward(self, x, y, loss_fn, accum, autocast, measure_comm) -> StepResult:
-        loss_sum = torch.zeros((), device=x.device)
-        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
-            last = i == accum - 1
-            # Only the last micro-batch synchronises; the others accumulate locally.
-            with contextlib.nullcontext() if last else self.ddp.no_sync(), autocast():
-                loss = loss_fn(self.call(xm).float(), ym) / accum
-            backward_started = time.perf_counter()
-            loss.backward()
-            loss_sum += loss.detach()
-        return StepResult(loss_sum, self._exposed_wait(backward_started))
+    def forward_backward(
+        self, x, y, loss_fn, accum, autocast, measure_comm, step=0, loss_scale=1.0
+    ) -> StepResult:
+        sync = self.rule.syncs_gradients(step)
+        # A local step runs the bare model: DDP's forward would still synchronise.
+        module = self.call if sync else self.parts[0]
+        loss_sum, sent = torch.zeros((), device=x.device), self.wire.bytes_sent
+        with self.wire.active():
+            for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+                last = i == accum - 1
+                # Only the last micro-batch synchronises; the others accumulate locally.
+                quiet = not last and sync
+                with self.ddp.no_sync() if quiet else contextlib.nullcontext(), autocast():
+                    loss = loss_fn(module(xm).float(), ym) * (loss_scale / accum)
+                backward_started = time.perf_counter()
+                loss.backward()
+                loss_sum += loss.detach()
+        wait = self._exposed_wait(backward_started) if sync else 0.0
+        return StepResult(loss_sum, wait, bytes_sent=self.wire.bytes_sent - sent)
 
     def _exposed_wait(self, backward_started: float) -> float:
         """Seconds the last backward spent waiting for the other ranks after launching
         its last gradient bucket (communication not hidden behind compute)."""
         if self.world_size == 1:
             return 0.0
-        return max(0.0, time.perf_counter() - max(self.timer.last_launch, backward_started))
+        return max(0.0, time.perf_counter() - max(self.reducer.last_launch, backward_started))
+
+    def after_step(self, done: int) -> float:
+        sent = self.wire.bytes_sent
+        with self.wire.active():
+            self.rule.after_step(done)
+        return self.wire.bytes_sent - sent
+
+    def finish(self, done: int) -> float:
+        sent = self.wire.bytes_sent
+        with self.wire.active():
+            self.rule.finish(done)
+        return self.wire.bytes_sent - sent
+
+    @property
+    def state(self) -> ReplicaState:
+        inner = TrainState(self.parts, self.optimizer)
+        dp = self.topo.dp_rank, self.topo.dp_size
+        return ReplicaState(inner, self.rule, self.reducer, *dp, same_size=self.same_replicas)
+
+    def checkpoint_info(self) -> dict:
+        return {"replicas": self.topo.dp_size, "replicas_differ": self.rule.local}
+
+    def resume_state(self, train_state: dict) -> ReplicaState:
+        written = train_state.get("replicas")
+        self.same_replicas = check_replicas(self.rule, written, self.topo.dp_size)
+        state = self.state
+        self.same_replicas = True  # what this job writes from now on is per this size
+        return state
 
 
 class _Metered(Parallelized):
@@ -129,6 +201,7 @@ class _Metered(Parallelized):
     sampled steps, and the latest sample stands for the steps in between."""
 
     comm_seconds = 0.0
+    comm_bytes = 0.0
 
     @contextlib.contextmanager
     def _metered(self, measure: bool):
@@ -137,7 +210,7 @@ class _Metered(Parallelized):
             return
         with CommMeter() as meter:
             yield
-        self.comm_seconds = meter.seconds
+        self.comm_seconds, self.comm_bytes = meter.seconds, meter.bytes_sent
 
 
 class Sharded(_Metered):
@@ -148,7 +221,9 @@ class Sharded(_Metered):
         self.parts, self.mesh, self.topo = [model], mesh, topo
         self.optimizer = OptimizerGroup(self.parts, optim.lr, optim.weight_decay)
 
-    def forward_backward(self, x, y, loss_fn, accum, autocast, measure_comm) -> StepResult:
+    def forward_backward(
+        self, x, y, loss_fn, accum, autocast, measure_comm, step=0, loss_scale=1.0
+    ) -> StepResult:
         model, fsdp = self.parts[0], self.topo.mesh["dp_shard"] > 1
         loss_sum = torch.zeros((), device=x.device)
         with self._metered(measure_comm):
@@ -160,7 +235,7 @@ class Sharded(_Metered):
                 loss.backward()
                 loss_sum += loss.detach()
             replicate_gradients(self.parts, self.mesh, self.topo)
-        return StepResult(loss_sum, self.comm_seconds)
+        return StepResult(loss_sum, self.comm_seconds, bytes_sent=self.comm_bytes)
 
 
 class Pipelined(_Metered):
@@ -194,7 +269,9 @@ class Pipelined(_Metered):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.pipeline.forward(x)
 
-    def forward_backward(self, x, y, loss_fn, accum, autocast, measure_comm) -> StepResult:
+    def forward_backward(
+        self, x, y, loss_fn, accum, autocast, measure_comm, step=0, loss_scale=1.0
+    ) -> StepResult:
         with self._metered(measure_comm), autocast():
             loss, wall, compute = self.pipeline.step(x, y)
         started = time.perf_counter()
@@ -205,7 +282,7 @@ class Pipelined(_Metered):
         inner = min(self.comm_seconds, compute)
         bubble = max(0.0, wall - compute)
         loss = loss if loss is not None else torch.zeros((), device=x.device)
-        return StepResult(loss, inner + averaged, bubble)
+        return StepResult(loss, inner + averaged, bubble, self.comm_bytes)
 
 
 def shape_model(model: nn.Module, mesh, topo: Topology, par, pipelined: bool) -> None:
@@ -255,7 +332,7 @@ def parallelize(build: Callable[[], nn.Module], cfg, topo: Topology, loss_fn) ->
     initialised whole model, the same on every rank (seeded)."""
     if is_plain_data_parallel(topo.mesh):
         model = build().to(topo.device)
-        return DataParallel(model, topo, cfg.train.compile, cfg.optim)
+        return DataParallel(model, topo, cfg.train.compile, cfg.optim, cfg.parallel)
     mesh = build_mesh(topo)
     if topo.mesh["pp"] > 1:
         stages = cfg.pipeline_stages(topo.mesh)

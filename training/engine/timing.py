@@ -2,10 +2,10 @@
 
 Each step is cut into phases: waiting for data, forward+backward compute, exposed
 synchronisation wait, the pipeline's bubble, optimizer step and checkpoint stall. Under
-DDP, synchronisation is measured by a communication hook that all-reduces exactly like
-DDP's default (mean of gradients) and notes when the last bucket was launched: what
-backward spends after that is time waiting for the other ranks (communication not
-hidden behind compute). Under FSDP, tensor and pipeline parallelism, the time inside
+DDP, synchronisation is measured by the communication hook (training.engine.compression),
+which notes when the last bucket was launched: what backward spends after that is time
+waiting for the other ranks (communication not hidden behind compute); an update rule's
+parameter averaging is sync wait too. Under FSDP, tensor and pipeline parallelism, the time inside
 collectives is sampled (training.engine.comm); a pipeline stage's idle time in its
 schedule is its bubble.
 """
@@ -41,21 +41,6 @@ def adds_seconds(fn: Callable, owner) -> Callable:
     return timed
 
 
-class SyncTimer:
-    """A DDP comm hook with the default semantics plus timestamps."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.last_launch = 0.0
-
-    # No annotations: DDP inspects them, and this module's are strings (future import).
-    def hook(self, _state, bucket):
-        self.last_launch = time.perf_counter()
-        tensor = bucket.buffer().div_(self.world_size)
-        future = dist.all_reduce(tensor, async_op=True).get_future()
-        return future.then(lambda fut: fut.value()[0])
-
-
 class StepTimes:
     """Seconds per phase summed over a logging interval, plus the wall time."""
 
@@ -65,6 +50,7 @@ class StepTimes:
     def reset(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
+        self.bytes_sent = 0.0  # bytes this rank sent in the interval (counted)
         self.started = time.perf_counter()
 
     def add(self, phase: str, seconds: float) -> None:
@@ -72,9 +58,8 @@ class StepTimes:
 
     def vector(self) -> torch.Tensor:
         wall = time.perf_counter() - self.started
-        return torch.tensor(
-            [*(self.seconds[p] for p in PHASES), self.steps, wall], dtype=torch.float64
-        )
+        row = [*(self.seconds[p] for p in PHASES), self.steps, wall, self.bytes_sent]
+        return torch.tensor(row, dtype=torch.float64)
 
 
 @dataclass(frozen=True)
@@ -82,13 +67,15 @@ class RankTimes:
     rank: int
     per_step: dict[str, float]  # seconds per step in each phase
     busy: float  # seconds per step of the rank's own step work (see NOT_BUSY)
+    bytes_per_step: float = 0.0  # bytes the rank sent per step
 
     @classmethod
     def from_vector(cls, rank: int, row: list[float]) -> RankTimes:
         steps = max(row[len(PHASES)], 1.0)
         per_step = {p: row[i] / steps for i, p in enumerate(PHASES)}
         per_step["wall"] = row[len(PHASES) + 1] / steps
-        return cls(rank, per_step, per_step["wall"] - sum(per_step[p] for p in NOT_BUSY))
+        busy = per_step["wall"] - sum(per_step[p] for p in NOT_BUSY)
+        return cls(rank, per_step, busy, row[len(PHASES) + 2] / steps)
 
 
 def gather_times(times: StepTimes, world_size: int) -> list[RankTimes]:
@@ -130,4 +117,5 @@ def interval_metrics(ranks: list[RankTimes]) -> dict[str, float]:
     for phase in PHASES:
         mean = sum(r.per_step[phase] for r in ranks) / len(ranks)
         metrics[f"time_fraction_{phase}"] = mean / wall if wall > 0 else 0.0
+    metrics["comm_bytes_per_step"] = sum(r.bytes_per_step for r in ranks) / len(ranks)
     return metrics
