@@ -12,7 +12,10 @@ their syncs), and then reduces the bucket:
   added back into the next step's gradient, so nothing is lost for good, only delayed.
 
 PowerSGD's state (error feedback, warm-started factors) differs per rank and is part
-of exact resume: `state_dict` / `load_state_dict` carry it through checkpoints.
+of exact resume. PyTorch keeps it per DDP bucket, as flat vectors in the bucket's order
+of parameters, and DDP re-orders its buckets after the first step of every attempt; so
+the checkpoint holds it per parameter name, and a restarted job lays it back into each
+bucket's order the first time the bucket comes through the hook.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import io
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,6 +42,10 @@ class GradientReducer:
         self.world_size, self.compression = world_size, compression
         self.last_launch = 0.0
         self.enabled = True  # False: buckets stay local (steps between local-SGD syncs)
+        self.names: dict[int, str] = {}  # id(parameter) -> its name (set by the owner)
+        self.shapes: dict[str, torch.Size] = {}  # name -> shape (set by the owner)
+        self.bucket_names: dict[int, list[str]] = {}  # each bucket's parameters, in order
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}  # restored, not yet laid out
         self.powersgd = None
         if compression == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
@@ -66,19 +74,83 @@ class GradientReducer:
         if self.compression == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
+            index = bucket.index()
+            names = [self.names[id(p)] for p in bucket.parameters()]
+            before = self.bucket_names.get(index)
+            if before is not None and before != names:  # DDP rebuilt its buckets
+                self.pending.update(self._take(index, before))
+            self.bucket_names[index] = names
+            if self.pending:
+                self._lay_out(index, names, bucket.buffer())
             return powerSGD_hook(self.powersgd, bucket)
         tensor = bucket.buffer().div_(self.world_size)
         future = dist.all_reduce(tensor, async_op=True).get_future()
         return future.then(lambda fut: fut.value()[0])
 
+    def _pieces(self, index: int, names: list[str]) -> Iterator[tuple[str, str, slice]]:
+        """(kind, parameter name, slice of the bucket's flat vector) for PowerSGD's error
+        ("error"), P and Q factors of bucket `index` whose parameters are `names`."""
+        shapes = {n: s for n, s in self.shapes.items() if n in names}
+        offset, groups = 0, {}
+        for name in names:
+            numel = shapes[name].numel()
+            yield "error", name, slice(offset, offset + numel)
+            offset += numel
+            rows = shapes[name][0] if len(shapes[name]) else 1
+            cols = max(1, numel // max(rows, 1))
+            r = min(rows, cols, self.powersgd.matrix_approximation_rank)
+            if _should_compress(rows, cols, r, self.powersgd.min_compression_rate):
+                groups.setdefault((rows, cols), []).append((name, rows * r, cols * r))
+        p_at = q_at = 0  # PyTorch lays factors out grouped by matrix shape, first seen first
+        for members in groups.values():
+            for name, p_len, q_len in members:
+                yield "p", name, slice(p_at, p_at + p_len)
+                yield "q", name, slice(q_at, q_at + q_len)
+                p_at, q_at = p_at + p_len, q_at + q_len
+
+    def _memories(self) -> dict[str, dict[int, torch.Tensor]]:
+        state = self.powersgd
+        return {"error": state.error_dict, "p": state.p_memory_dict, "q": state.q_memory_dict}
+
+    def _lay_out(self, index: int, names: list[str], buffer: torch.Tensor) -> None:
+        """Put restored per-parameter state into bucket `index`'s flat vectors."""
+        if not all(n in self.pending for n in names):
+            return
+        memories, sizes = self._memories(), {}
+        for kind, _, where in self._pieces(index, names):
+            sizes[kind] = max(sizes.get(kind, 0), where.stop)
+        for kind, size in sizes.items():
+            memories[kind][index] = torch.zeros(size, dtype=buffer.dtype, device=buffer.device)
+        for kind, name, where in self._pieces(index, names):
+            memories[kind][index][where] = self.pending[name][kind]
+        for name in names:
+            del self.pending[name]
+        # A bucket whose state was never created (before PowerSGD starts) has none.
+        for kind in ("error", "p", "q"):
+            if kind not in sizes:
+                memories[kind].pop(index, None)
+
+    def _take(self, index: int, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """Bucket `index`'s state, per parameter name (laid out in the order `names`)."""
+        per_name: dict[str, dict[str, torch.Tensor]] = {}
+        memories = self._memories()
+        for kind, name, where in self._pieces(index, names):
+            if index in memories[kind]:
+                per_name.setdefault(name, {})[kind] = memories[kind][index][where].clone()
+        return per_name
+
     def state_dict(self) -> dict:
-        """PowerSGD's per-rank state as bytes (empty without it)."""
+        """PowerSGD's per-rank state as bytes (empty without it), per parameter name."""
         if self.powersgd is None:
             return {}
+        per_name: dict[str, dict[str, torch.Tensor]] = {}
+        for index, names in self.bucket_names.items():
+            per_name.update(self._take(index, names))
+        for name, pieces in self.pending.items():  # restored, its bucket not yet seen
+            per_name.setdefault(name, pieces)
+        slots = {"iter": self.powersgd.iter, "rng": self.powersgd.rng}
         buffer = io.BytesIO()
-        state = {k: getattr(self.powersgd, k) for k in self.powersgd.__slots__}
-        state.pop("process_group")
-        torch.save(state, buffer)
+        torch.save({"slots": slots, "per_name": per_name}, buffer)
         return {"powersgd": buffer}
 
     def load_state_dict(self, state: dict) -> None:
@@ -89,5 +161,14 @@ class GradientReducer:
             buffer.seek(0)
             # Written by this class into the job's own checkpoint (a numpy RNG inside).
             buffer = torch.load(buffer, weights_only=False)
-        for key, value in buffer.items():
+        for key, value in buffer["slots"].items():
             setattr(self.powersgd, key, value)
+        self.pending = buffer["per_name"]
+        for memory in self._memories().values():
+            memory.clear()
+
+
+def _should_compress(rows: int, cols: int, rank: int, min_rate: float) -> bool:
+    """PyTorch PowerSGD's choice: a matrix is compressed when its factors are smaller
+    than it by more than `min_rate` (tensors of one dimension never are)."""
+    return (rows + cols) * rank * min_rate < rows * cols

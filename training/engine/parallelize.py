@@ -131,6 +131,8 @@ class DataParallel(Parallelized):
         device_ids = [topo.device.index] if topo.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(model, device_ids=device_ids)
         self.reducer = GradientReducer(topo.world_size, par.grad_compression, par.powersgd_rank)
+        self.reducer.names = {id(p): name for name, p in model.named_parameters()}
+        self.reducer.shapes = {name: p.shape for name, p in model.named_parameters()}
         self.ddp.register_comm_hook(None, self.reducer.hook)
         self.rule = make_rule(model, topo.world_size, par)
         self.wire = WireCounter()  # every byte of a step goes through it
