@@ -40,6 +40,8 @@ RULES = {
     "local_sgd": {"update": "local_sgd", "sync_every": 3, "sync_warmup_steps": 2},
     "diloco": {"update": "diloco", "sync_every": 3},
     "powersgd": {"grad_compression": "powersgd", "powersgd_rank": 2},
+    # A staleness bound of 0 makes the parameter server lockstep: deterministic.
+    "async": {"update": "async", "max_staleness": 0},
 }
 
 
@@ -103,6 +105,50 @@ def test_local_sgd_syncing_every_step_reproduces_sync(uninterrupted, tracking) -
         rtol=2e-2,
         atol=0,
     )
+
+
+def test_async_with_no_staleness_reproduces_sync(uninterrupted, tracking) -> None:
+    """max_staleness 0: every server step averages gradient n of every worker, all
+    computed on the same parameters: synchronous training by another route."""
+    (sync_run, _, sync_work), (async_run, _, async_work) = (
+        uninterrupted("sync"),
+        uninterrupted("async"),
+    )
+    torch.testing.assert_close(
+        torch.tensor(_losses(tracking, async_run)),
+        torch.tensor(_losses(tracking, sync_run)),
+        rtol=1e-5,
+        atol=0,
+    )
+    got, want = _weights(async_work), _weights(sync_work)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-3, msg=name)
+
+
+def test_async_bounds_staleness_and_keeps_a_slow_rank_from_holding_others_back(
+    tracking, tmp_path, tiny_token_shards, monkeypatch
+) -> None:
+    """Rank 1 computes 3x slower and the job is killed and stopped on the way: it still
+    completes every server step once, rank 0 computes more gradients than rank 1, and
+    no applied gradient is staler than the bound."""
+    monkeypatch.setenv(
+        "GRADLINE_FAULT",
+        "slow:rank=1:factor=3;kill:rank=1:step=4:attempt=0;term:rank=0:step=10:attempt=1",
+    )
+    uri, experiment = tracking
+    run_id = client(uri).create_run(experiment).info.run_id
+    parallel = {"update": "async", "max_staleness": 2}
+    with pytest.raises(Preempted):
+        _train(tiny_token_shards, tmp_path, parallel, tracking, run_id, restarts=1)
+    monkeypatch.setenv("GRADLINE_FAULT", "slow:rank=1:factor=3")
+    _train(tiny_token_shards, tmp_path, parallel, tracking, run_id)
+    _losses(tracking, run_id)  # one loss per server step
+    mlflow = client(uri)
+    staleness = mlflow.get_metric_history(run_id, "async_staleness_max")
+    assert staleness and max(m.value for m in staleness) <= 2
+    assert max(m.value for m in staleness) >= 1  # the fast rank did not wait every step
+    done = mlflow.get_run(run_id).data.metrics
+    assert done["async_gradients/rank0"] > done["async_gradients/rank1"]
 
 
 def test_bytes_per_step_are_counted_on_the_wire(uninterrupted) -> None:

@@ -42,10 +42,12 @@ class IntervalLog:
         ranks = gather_times(self.times, topo.world_size)
         self.tracker.log_series("train_loss", first, losses.tolist())
         metrics = {"lr": lr, **interval_metrics(ranks)}
-        wall = max(r.per_step["wall"] for r in ranks)
-        metrics["samples_per_s"] = self.cfg.train.batch_size / wall if wall > 0 else 0.0
+        # Steps of the job, not of each rank: under async updates ranks compute different
+        # numbers of gradients in an interval, and the job's steps are the server's.
+        wall = max(r.wall_seconds for r in ranks)
+        metrics["samples_per_s"] = self.cfg.train.batch_size * steps / wall if wall > 0 else 0.0
         self.totals["comm_bytes_total"] += metrics["comm_bytes_per_step"] * steps
-        self.totals["train_seconds"] += wall * steps
+        self.totals["train_seconds"] += wall
         self.totals["steps_counted"] += steps
         metrics.update(comm_bytes_total=self.totals["comm_bytes_total"])
         metrics.update(train_seconds=self.totals["train_seconds"])

@@ -34,6 +34,7 @@ from training.engine.instruments import Instruments
 from training.engine.intervals import IntervalLog
 from training.engine.parallelize import Parallelized, parallelize
 from training.engine.schedule import lr_at
+from training.engine.state import clip_grad_norm
 from training.engine.topology import (
     Topology,
     all_reduce_sum,
@@ -162,8 +163,18 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         return build_model(cfg.model, cfg.task.type, data)
 
-    model = parallelize(build, cfg, topo, objective.loss)
     total = cfg.train.epochs * loader.batches_per_epoch
+    total = min(total, cfg.train.max_steps or total)
+
+    def before_server_step(version: int, _params) -> None:
+        # An async job's optimizer steps happen on rank 0's parameter server: the same
+        # schedule and clipping as a synchronous step (train_step).
+        for group in model.optimizer.param_groups:
+            group["lr"] = lr_at(version, total, cfg.optim)
+        if cfg.optim.grad_clip:
+            clip_grad_norm([model.ps.server_model], cfg.optim.grad_clip, replicated=True)
+
+    model = parallelize(build, cfg, topo, objective.loss, before_server_step)
     return Setup(
         manifest=manifest,
         data=data,
@@ -172,7 +183,7 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         val_rows=strided_rows(val_reader.num_rows, topo.dp_size, topo.dp_rank),
         objective=objective,
         model=model,
-        total_steps=min(total, cfg.train.max_steps or total),
+        total_steps=total,
         sampler=_sampler(cfg, shard_dir, manifest, context),
         balancer=balancer,
     )
@@ -313,7 +324,7 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
     progress = Progress("train", setup.total_steps, "steps", done=step) if topo.is_main else None
     on_gpu, preempted, started_at = topo.device.type == "cuda", False, step
 
-    def save() -> None:
+    def save(step: int, position: LoaderPosition) -> None:
         train_state = {
             "step": step,
             "loader": position.state_dict(),
@@ -326,7 +337,7 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
         with inst.phase("checkpoint_stall", step):
             checkpointer.save(step, setup.model.state.state_dict(), train_state, intervals.last)
 
-    def evaluate(epoch: int) -> None:
+    def evaluate(step: int, epoch: int) -> None:
         inst.collective(step)
         intervals.log_validation(validate(cfg, setup, topo), step, epoch)
         # Sampling runs the whole model: on rank 0 when it holds a replica, on every rank
@@ -338,59 +349,67 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
             if topo.is_main:
                 tracker.log_text(text, f"samples/step-{step:08d}.txt")
 
-    for epoch in range(position.epoch, cfg.train.epochs):
-        start = position.batch_index if epoch == position.epoch else 0
-        batches = setup.loader.tensors(epoch, start, rt.loader_workers, on_gpu)
-        for index in range(start, setup.loader.batches_per_epoch):
-            if preempted or step >= setup.total_steps:
+    if setup.model.asynchronous:  # segments between barriers, not lockstep steps
+        from training.engine.async_loop import run_segments
+
+        step, position, preempted = run_segments(
+            cfg, setup, topo, job_dir, inst, intervals, tracker, progress, save, evaluate, step
+        )
+    else:
+        for epoch in range(position.epoch, cfg.train.epochs):
+            start = position.batch_index if epoch == position.epoch else 0
+            batches = setup.loader.tensors(epoch, start, rt.loader_workers, on_gpu)
+            for index in range(start, setup.loader.batches_per_epoch):
+                if preempted or step >= setup.total_steps:
+                    break
+                with inst.phase("data_wait", step):
+                    x, y = next(batches)
+                    if on_gpu:
+                        x, y = x.to(topo.device, non_blocking=True), y.to(topo.device, True)
+                intervals.add_loss(train_step(cfg, setup, topo, (x, y), step, inst))
+                step += 1
+                if step == setup.total_steps:  # one model: local replicas average a last time
+                    with inst.phase("sync_wait", step):
+                        inst.times.bytes_sent += setup.model.finish(step)
+                position = LoaderPosition(epoch=epoch, batch_index=index + 1)
+                if progress is not None:
+                    progress.advance()
+                checkpoint_due = step % rt.checkpoint_every_steps == 0
+                # A checkpoint closes the logging interval too: a job resumed from it must
+                # find every step up to it already journaled, or its losses would be lost.
+                if step % rt.log_every_steps == 0 or checkpoint_due:
+                    inst.collective(step)
+                    ranks = intervals.close(step, setup.model.optimizer.param_groups[0]["lr"])
+                    if setup.balancer.remeasure(ranks, intervals.closed):
+                        # New shares from the next global batch on: every rank re-reads.
+                        setup.loader.shares = setup.balancer.shares
+                        batches = setup.loader.tensors(epoch, index + 1, rt.loader_workers, on_gpu)
+                        tracker.log_metrics(setup.balancer.metrics(), step)
+                        if topo.is_main:
+                            log.info("balance: rows per rank now %s", setup.balancer.shares)
+                if checkpoint_due:
+                    save(step, position)
+                if rt.eval_every_steps and step % rt.eval_every_steps == 0:
+                    evaluate(step, epoch)
+                if step % rt.control_every_steps == 0:
+                    inst.collective(step)
+                    preempted = _preempt_requested(job_dir)
+                if resumed_from and step == started_at + 1 and topo.is_main:
+                    inst.resumed(step)
+            if preempted:
                 break
-            with inst.phase("data_wait", step):
-                x, y = next(batches)
-                if on_gpu:
-                    x, y = x.to(topo.device, non_blocking=True), y.to(topo.device, True)
-            intervals.add_loss(train_step(cfg, setup, topo, (x, y), step, inst))
-            step += 1
-            if step == setup.total_steps:  # one model: local replicas average a last time
-                with inst.phase("sync_wait", step):
-                    inst.times.bytes_sent += setup.model.finish(step)
-            position = LoaderPosition(epoch=epoch, batch_index=index + 1)
-            if progress is not None:
-                progress.advance()
-            checkpoint_due = step % rt.checkpoint_every_steps == 0
-            # A checkpoint closes the logging interval too: a job resumed from it must
-            # find every step up to it already journaled, or its losses would be lost.
-            if step % rt.log_every_steps == 0 or checkpoint_due:
-                inst.collective(step)
-                ranks = intervals.close(step, setup.model.optimizer.param_groups[0]["lr"])
-                if setup.balancer.remeasure(ranks, intervals.closed):
-                    # New shares from the next global batch on: every rank re-reads.
-                    setup.loader.shares = setup.balancer.shares
-                    batches = setup.loader.tensors(epoch, index + 1, rt.loader_workers, on_gpu)
-                    tracker.log_metrics(setup.balancer.metrics(), step)
-                    if topo.is_main:
-                        log.info("balance: rows per rank now %s", setup.balancer.shares)
-            if checkpoint_due:
-                save()
-            if rt.eval_every_steps and step % rt.eval_every_steps == 0:
-                evaluate(epoch)
-            if step % rt.control_every_steps == 0:
-                inst.collective(step)
-                preempted = _preempt_requested(job_dir)
-            if resumed_from and step == started_at + 1 and topo.is_main:
-                inst.resumed(step)
-        if preempted:
-            break
-        if position.batch_index == setup.loader.batches_per_epoch:
-            position = LoaderPosition(epoch=epoch + 1, batch_index=0)
-        evaluate(epoch + 1)
-        if step >= setup.total_steps:
-            break
+            if position.batch_index == setup.loader.batches_per_epoch:
+                position = LoaderPosition(epoch=epoch + 1, batch_index=0)
+            evaluate(step, epoch + 1)
+            if step >= setup.total_steps:
+                break
 
     if progress is not None:
         progress.close()
     intervals.close(step, setup.model.optimizer.param_groups[0]["lr"], final=True)
-    save()  # the final (or preemption) state, always
+    save(step, position)  # the final (or preemption) state, always
     checkpointer.close()
+    setup.model.close()
     intervals.finish()
     tracker.close()
     inst.close()

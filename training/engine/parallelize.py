@@ -8,6 +8,8 @@ and backward on this rank's share of a batch. Three layouts:
   backward (the default, and what nothing sharded or split means), compressed as
   configured (compression.py), or replicas step locally and sync by an update rule
   (updates.py: local SGD, DiLoCo).
+- `AsyncReplicas`: every rank holds the whole model and works on its own; rank 0 also
+  hosts a parameter server that applies their gradients (async_ps.py, `update: async`).
 - `Sharded`: tensor parallelism (tp), then activation checkpointing, then FSDP2 over the
   data-parallel ranks (dp_shard; HSDP when dp_replicate > 1 too). Each rank holds a
   shard of the parameters, gradients and optimizer state.
@@ -116,6 +118,12 @@ class Parallelized:
     def resume_state(self, train_state: dict):
         """The state to load a checkpoint written with `train_state` into."""
         return self.state
+
+    # Whether steps are synchronous (one loop step per optimizer step on every rank).
+    asynchronous = False
+
+    def close(self) -> None:
+        """Release what the layout holds beyond the process group (threads, groups)."""
 
 
 class DataParallel(Parallelized):
@@ -287,6 +295,72 @@ class Pipelined(_Metered):
         return StepResult(loss, inner + averaged, bubble, self.comm_bytes)
 
 
+class AsyncReplicas(Parallelized):
+    """Asynchronous updates: workers push gradients to a parameter server on rank 0 and
+    pull its parameters, between barriers (see training.engine.async_ps). The loop runs
+    segments (training.engine.async_loop) instead of synchronous steps."""
+
+    forward_is_collective = False
+    replicated = True
+    asynchronous = True
+
+    def __init__(self, model: nn.Module, topo: Topology, cfg, before_step) -> None:
+        from training.engine.async_ps import AsyncUpdates
+
+        optim, self.topo, self.parts = cfg.optim, topo, [model]
+
+        def make_optimizer(server_model: nn.Module) -> OptimizerGroup:
+            return OptimizerGroup([server_model], optim.lr, optim.weight_decay)
+
+        self.ps = AsyncUpdates(
+            model,
+            make_optimizer,
+            topo.rank,
+            topo.world_size,
+            cfg.parallel.max_staleness,
+            before_step,
+            timeout_s=cfg.runtime.collective_timeout_s,
+        )
+        # The loop reads the learning rate from here: the server's on rank 0.
+        self.optimizer = self.ps.server_optimizer or OptimizerGroup(self.parts, optim.lr, 0.0)
+
+    @property
+    def state(self) -> AsyncState:
+        return AsyncState(self.ps, self.topo.is_main)
+
+    def close(self) -> None:
+        self.ps.close()
+
+
+class AsyncState:
+    """An async job's checkpoint state: the server's model and optimizer, and its own
+    state (version, each worker's next gradient, the bucket) as one blob, all written by
+    rank 0. Every rank reads the blob back (workers learn where they are from it)."""
+
+    def __init__(self, ps, is_main: bool) -> None:
+        self.ps, self.is_main = ps, is_main
+
+    def state_dict(self) -> dict:
+        import io
+
+        state = {"async": io.BytesIO()}
+        if self.is_main:
+            state.update(TrainState([self.ps.server_model], self.ps.server_optimizer).state_dict())
+            torch.save(self.ps.state_dict(), state["async"])
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        import io
+
+        blob = state["async"]
+        if isinstance(blob, io.BytesIO):
+            blob.seek(0)
+            blob = torch.load(blob, weights_only=False)  # written by this class
+        if self.is_main:
+            TrainState([self.ps.server_model], self.ps.server_optimizer).load_state_dict(state)
+        self.ps.load_state_dict(blob)
+
+
 def shape_model(model: nn.Module, mesh, topo: Topology, par, pipelined: bool) -> None:
     """Tensor plan, activation checkpointing, then FSDP2, on one model part (built on
     the host), in place; its parameters end on this rank's device. Under FSDP only the
@@ -329,9 +403,14 @@ def is_plain_data_parallel(mesh: dict[str, int]) -> bool:
     return mesh["dp_shard"] == 1 and mesh["tp"] == 1 and mesh["pp"] == 1
 
 
-def parallelize(build: Callable[[], nn.Module], cfg, topo: Topology, loss_fn) -> Parallelized:
+def parallelize(
+    build: Callable[[], nn.Module], cfg, topo: Topology, loss_fn, before_step=None
+) -> Parallelized:
     """This rank's share of the model for the job's layout. `build()` returns a freshly
-    initialised whole model, the same on every rank (seeded)."""
+    initialised whole model, the same on every rank (seeded). `before_step(version,
+    params)`: what an async server does before each of its optimizer steps."""
+    if cfg.parallel.update == "async":
+        return AsyncReplicas(build().to(topo.device), topo, cfg, before_step)
     if is_plain_data_parallel(topo.mesh):
         model = build().to(topo.device)
         return DataParallel(model, topo, cfg.train.compile, cfg.optim, cfg.parallel)

@@ -68,6 +68,7 @@ class RankTimes:
     per_step: dict[str, float]  # seconds per step in each phase
     busy: float  # seconds per step of the rank's own step work (see NOT_BUSY)
     bytes_per_step: float = 0.0  # bytes the rank sent per step
+    wall_seconds: float = 0.0  # the interval's wall time on this rank
 
     @classmethod
     def from_vector(cls, rank: int, row: list[float]) -> RankTimes:
@@ -75,7 +76,7 @@ class RankTimes:
         per_step = {p: row[i] / steps for i, p in enumerate(PHASES)}
         per_step["wall"] = row[len(PHASES) + 1] / steps
         busy = per_step["wall"] - sum(per_step[p] for p in NOT_BUSY)
-        return cls(rank, per_step, busy, row[len(PHASES) + 2] / steps)
+        return cls(rank, per_step, busy, row[len(PHASES) + 2] / steps, row[len(PHASES) + 1])
 
 
 def gather_times(times: StepTimes, world_size: int) -> list[RankTimes]:
