@@ -32,6 +32,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare_updates(args: argparse.Namespace) -> int:
+    from tasks.compare import reproduce_shards
+    from training.compare import parse_rules, plan_comparison, run_comparison
+    from training.project import find_project_root
+    from training.tracking import default_tracking_uri, store_errors
+
+    root = find_project_root()
+    # Every child's config, the rules and the fault are checked before anything runs.
+    plan = plan_comparison(
+        root, parse_rules(args.rules), args.set, args.slow_rank, args.slow_factor
+    )
+    reproduce_shards(root)
+    with store_errors(default_tracking_uri(root)):
+        report = run_comparison(plan)
+    print(report.describe())
+    return 0
+
+
 def _cmd_example(args: argparse.Namespace) -> int:
     from training.examples import apply_example, describe
     from training.project import Project, find_project_root
@@ -142,6 +160,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every stage even when data, params and code are unchanged",
     )
     run.set_defaults(func=_cmd_run)
+
+    compare = sub.add_parser(
+        "compare-updates",
+        help="train the configuration once per update rule and compare them in MLflow",
+        description="Train params.yaml (plus --set overrides, not written back) once per "
+        "parallel.update rule, each as a child MLflow run of one parent run that gets a "
+        "table (throughput, final val_loss, bytes per step, each against sync) and plots "
+        "of val_loss against seconds, samples and bytes. The data is brought up to date "
+        "first with `dvc repro shard`; the pipeline's model, result and registry are "
+        "left alone.",
+    )
+    compare.add_argument(
+        "--rules",
+        default="sync,local_sgd,diloco,async",
+        metavar="RULE,RULE",
+        help="comma-separated parallel.update rules (default: sync,local_sgd,diloco,async)",
+    )
+    compare.add_argument(
+        "--slow-rank", type=int, metavar="R", help="make rank R a slower device in every child"
+    )
+    compare.add_argument(
+        "--slow-factor",
+        type=float,
+        metavar="F",
+        help="how many times longer the slow rank computes (above 1; default 2)",
+    )
+    compare.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a params.yaml value for this comparison only (repeatable)",
+    )
+    compare.set_defaults(func=_cmd_compare_updates)
 
     example = sub.add_parser(
         "example", help="write a ready-made workload into params.yaml (--list names them)"

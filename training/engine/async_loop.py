@@ -18,6 +18,7 @@ more, a faster worker reads further ahead in its slices than a slower one.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -84,13 +85,18 @@ def run_segments(
         until = next_barrier(step, total, rt, per_epoch)
         inst.collective(step)
         waited, sent = ps.wait_seconds, ps.bytes_sent
+        seconds, steps, started = inst.loop_seconds, inst.loop_steps, time.perf_counter()
         segment = ps.run_segment(until, compute)
         inst.times.add("sync_wait", ps.wait_seconds - waited)
         inst.times.bytes_sent += ps.bytes_sent - sent
+        # The job's time and steps are the segment's and the server's (the phases above
+        # counted this rank's gradients, which is what its time breakdown is per).
+        inst.loop_seconds = seconds + time.perf_counter() - started
         for loss in segment.losses:
             intervals.add_loss(torch.tensor(loss))
         if progress is not None:
             progress.advance(segment.version - step)
+        inst.loop_steps = steps + segment.version - step
         step = segment.version
         position = LoaderPosition(*divmod(step, per_epoch))
         _at_barrier(cfg, setup, step, segment, intervals, tracker, inst)

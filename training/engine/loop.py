@@ -2,12 +2,15 @@
 
 Read `train` top to bottom: set up (data, model, objective, parallelism), resume, then
 steps. Each step reads this rank's slice of a global batch (ranks of one tensor- or
-pipeline-parallel group read the same slice), runs forward and backward through the
-layout `parallelize` chose (DDP, FSDP2/TP, or a pipeline schedule: all synchronous
-updates), and steps the optimizer. Every `log_every_steps` the ranks exchange their time
-breakdown and losses; every `checkpoint_every_steps` every rank writes its shard of a
-distributed checkpoint; every `control_every_steps` the ranks agree on whether the job
-was asked to stop (preemption). Tracking goes through the tracker (a no-op off rank 0).
+pipeline-parallel group read the same slice; under `balance: measured` slices follow
+the ranks' throughput), runs forward and backward through the layout `parallelize` chose
+(DDP, FSDP2/TP, or a pipeline schedule), steps the optimizer, and lets the update rule
+sync the replicas when one is due (local SGD, DiLoCo). An async job (a parameter server)
+runs segments between barriers instead (training.engine.async_loop). Every
+`log_every_steps` the ranks exchange their time breakdown and losses; every
+`checkpoint_every_steps` every rank writes its shard of a distributed checkpoint; every
+`control_every_steps` the ranks agree on whether the job was asked to stop (preemption).
+Tracking goes through the tracker (a no-op off rank 0).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -339,6 +343,7 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
 
     def evaluate(step: int, epoch: int) -> None:
         inst.collective(step)
+        started = time.perf_counter()
         intervals.log_validation(validate(cfg, setup, topo), step, epoch)
         # Sampling runs the whole model: on rank 0 when it holds a replica, on every rank
         # together when it is sharded, not at all when it is cut into pipeline stages.
@@ -348,6 +353,8 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
             text = setup.sampler(whole)
             if topo.is_main:
                 tracker.log_text(text, f"samples/step-{step:08d}.txt")
+        # Training time excludes validation: the interval's clock skips it.
+        inst.times.started += time.perf_counter() - started
 
     if setup.model.asynchronous:  # segments between barriers, not lockstep steps
         from training.engine.async_loop import run_segments

@@ -1,0 +1,602 @@
+"""`gradline compare-updates`: one configuration trained once per update rule, side by side.
+
+Each rule (`parallel.update`: sync, local_sgd, diloco, async) is its own job: the same
+config with that one key changed, trained by the train stage's own launcher and worker
+code into its own MLflow run, created before its workers start. Those runs are children
+(`mlflow.parentRunId`) of one parent run, created first, which receives what the
+comparison is for: a table (per rule: samples/s and its ratio to the reference rule,
+final validation loss and its difference, bytes each rank sends per step and their
+ratio, training and wall-clock seconds) and three plots of validation loss against
+training seconds, samples seen and bytes sent.
+
+The reference is `sync` when it is among the rules, otherwise the first rule given.
+Children never touch the pipeline's model/, result.json or the registry: each writes its
+checkpoints, consolidated model and result under `checkpoints/compare/<parent run id>/`
+(git-ignored with the rest of checkpoints/). A comparison that stops part-way is not
+resumed: running it again starts a new parent run.
+
+This module plans and runs the comparison on shards that are already up to date; the
+CLI brings them up to date through DVC first (tasks/compare.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args
+
+import yaml
+
+from training.atomic import write_json
+from training.config import Config, ParallelConfig, is_tracked, load_config, parse_override
+from training.engine.faults import ENV as FAULT_ENV
+from training.engine.faults import parse as parse_faults
+from training.errors import ConfigError
+from training.project import Project
+
+RULES: tuple[str, ...] = get_args(ParallelConfig.model_fields["update"].annotation)
+UPDATE_KEY = "parallel.update"
+TAG_PARENT = "mlflow.parentRunId"
+TAG_RUN_NAME = "mlflow.runName"
+TAG_RULE = "gradline.compare.rule"
+TAG_FAULT = "gradline.compare.fault"
+# Files the parent run receives, under this artifact folder.
+ARTIFACTS = "compare"
+TABLE_CSV, TABLE_MD = "updates.csv", "updates.md"
+PLOTS = {
+    "seconds": ("val_loss_vs_seconds.png", "training seconds (validation excluded)"),
+    "samples": ("val_loss_vs_samples.png", "samples (steps x global batch)"),
+    "bytes": ("val_loss_vs_bytes.png", "bytes sent per rank (cumulative)"),
+}
+COLUMNS = (
+    "rule",
+    "steps",
+    "samples_per_s",
+    "throughput_ratio",
+    "val_loss",
+    "val_loss_delta",
+    "comm_bytes_per_step",
+    "bytes_ratio",
+    "train_seconds",
+    "wall_seconds",
+    "run_id",
+)
+
+
+# --- the plan: everything validated before a run or a file exists ---------------------
+
+
+@dataclass(frozen=True)
+class ComparePlan:
+    root: Path
+    base: Config  # params.yaml + overrides, the update rule as the user left it
+    children: dict[str, Config]  # rule -> the same config with parallel.update=rule
+    fault: str  # GRADLINE_FAULT for the children ("" for none)
+    slow_rank: int | None
+    slow_factor: float | None
+
+    @property
+    def rules(self) -> tuple[str, ...]:
+        return tuple(self.children)
+
+    @property
+    def reference(self) -> str:
+        return "sync" if "sync" in self.children else self.rules[0]
+
+
+def parse_rules(text: str) -> tuple[str, ...]:
+    rules = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not rules:
+        raise ConfigError(f"--rules: name at least one rule of {', '.join(RULES)}")
+    for rule in rules:
+        if rule not in RULES:
+            raise ConfigError(
+                f"--rules: unknown update rule {rule!r}; choose from {', '.join(RULES)} "
+                "(comma-separated, e.g. --rules sync,local_sgd)"
+            )
+    if len(set(rules)) != len(rules):
+        raise ConfigError(f"--rules: a rule is named twice in {text!r}")
+    return rules
+
+
+def slow_rank_fault(slow_rank: int | None, slow_factor: float | None, world_size: int) -> str:
+    """The GRADLINE_FAULT item that makes `slow_rank` compute `slow_factor` times slower."""
+    if slow_rank is None:
+        if slow_factor is not None:
+            raise ConfigError("--slow-factor needs --slow-rank: which rank is slower")
+        return ""
+    if not 0 <= slow_rank < world_size:
+        raise ConfigError(
+            f"--slow-rank {slow_rank}: ranks are 0..{world_size - 1} "
+            f"(runtime.world_size={world_size})"
+        )
+    factor = 2.0 if slow_factor is None else slow_factor
+    if not factor > 1:  # also refuses NaN
+        raise ConfigError(
+            f"--slow-factor {factor:g}: must be above 1 (how many times longer the slow "
+            "rank's compute takes; 2 is a device half as fast)"
+        )
+    return f"slow:rank={slow_rank}:step=0:factor={factor:g}"
+
+
+def _data_params(dvc_yaml: Path) -> set[str]:
+    """The params the ingest and shard stages depend on, as dvc.yaml names them."""
+    stages = (yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages", {})
+    return {
+        name
+        for stage in ("ingest", "shard")
+        for name in stages.get(stage, {}).get("params", [])
+        if isinstance(name, str)
+    }
+
+
+def _check_overrides(project: Project, overrides: list[str]) -> None:
+    data_params = _data_params(project.dvc_yaml)
+    for text in overrides:
+        section, key, _ = parse_override(text)
+        name = f"{section}.{key}"
+        if name == UPDATE_KEY:
+            raise ConfigError(
+                f"--set {text}: each child sets {UPDATE_KEY} itself; name the rules with "
+                f"--rules (e.g. --rules sync,local_sgd)"
+            )
+        if name in data_params or section in data_params:
+            raise ConfigError(
+                f"--set {text}: {name} decides the data (dvc.yaml's ingest/shard stages), "
+                "and compare-updates trains on the data as params.yaml makes it. Set it "
+                f"in params.yaml (or run `gradline run --set {text}`) first"
+            )
+
+
+def plan_comparison(
+    root: Path,
+    rules: tuple[str, ...],
+    overrides: list[str],
+    slow_rank: int | None = None,
+    slow_factor: float | None = None,
+) -> ComparePlan:
+    """Validate the whole comparison: every child's config (a rule may not combine with
+    the rest of the config: the error names the keys), the fault, the models."""
+    project = Project(root)
+    _check_overrides(project, overrides)
+    base = load_config(project.params, overrides)
+    children = {}
+    for rule in rules:
+        try:
+            children[rule] = load_config(project.params, [*overrides, f"{UPDATE_KEY}={rule}"])
+        except ConfigError as exc:
+            raise ConfigError(f"--rules {rule}: {exc}") from None
+    fault = ";".join(
+        filter(
+            None,
+            [
+                os.environ.get(FAULT_ENV, "").strip(),
+                slow_rank_fault(slow_rank, slow_factor, base.runtime.world_size),
+            ],
+        )
+    )
+    try:
+        parse_faults(fault)
+    except ValueError as exc:
+        raise ConfigError(f"{FAULT_ENV}={fault!r} from the environment: {exc}") from None
+    return ComparePlan(root, base, children, fault, slow_rank, slow_factor)
+
+
+# --- running the children ------------------------------------------------------------
+
+
+@dataclass
+class ChildRun:
+    """One rule's training: its run, the worker result and the curves from MLflow."""
+
+    rule: str
+    run_id: str
+    batch_size: int
+    result: dict[str, Any]
+    wall_seconds: float
+    history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def value(self, key: str) -> float:
+        value = self.result.get(key)
+        return float(value) if isinstance(value, int | float) else math.nan
+
+    @property
+    def steps(self) -> int:
+        return int(self.result.get("step", 0))
+
+    @property
+    def train_seconds(self) -> float:
+        seconds = self.value("train_seconds")
+        return seconds if math.isfinite(seconds) else self.value("loop_seconds")
+
+    @property
+    def samples_per_s(self) -> float:
+        """Samples per second of training (validation and start-up excluded)."""
+        seconds, steps = self.value("loop_seconds"), self.value("loop_steps")
+        return steps * self.batch_size / seconds if seconds > 0 else math.nan
+
+
+HISTORY_KEYS = ("val_loss", "train_seconds", "comm_bytes_total", "samples_per_s")
+
+
+@contextlib.contextmanager
+def _fault_env(spec: str) -> Iterator[None]:
+    """GRADLINE_FAULT as the children's workers must see it (they inherit it at spawn)."""
+    previous = os.environ.get(FAULT_ENV)
+    if spec:
+        os.environ[FAULT_ENV] = spec
+    else:
+        os.environ.pop(FAULT_ENV, None)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(FAULT_ENV, None)
+        else:
+            os.environ[FAULT_ENV] = previous
+
+
+def _train_child(
+    plan: ComparePlan, rule: str, parent_id: str, folder: Path, data_version: str
+) -> ChildRun:
+    """One real training job, as the train stage runs it, into a child run."""
+    from training.engine.launch import Preempted, launch_workers
+    from training.engine.loop import TrainJob
+    from training.runs import mark_complete, open_job_run, set_status
+    from training.tracking import client
+
+    project, cfg = Project(plan.root), plan.children[rule]
+    uri = project.tracking_uri
+    tags = {TAG_PARENT: parent_id, TAG_RUN_NAME: f"compare-{rule}", TAG_RULE: rule}
+    if plan.fault:
+        tags[TAG_FAULT] = plan.fault
+    work = folder / rule
+    job = open_job_run(plan.root, cfg, uri, data_version, work, tags=tags)
+    train_job = TrainJob(
+        config=cfg.model_dump(),
+        shard_dir=str(project.shards),
+        job_dir=str(job.job_dir.path),
+        model_dir=str(work / "model"),
+        tracking_uri=uri,
+        run_id=job.run_id,
+    )
+    started = time.perf_counter()
+    with _fault_env(plan.fault):
+        try:
+            result = launch_workers(train_job, cfg.runtime.world_size, cfg.runtime.max_restarts)
+        except Preempted:
+            set_status(uri, job.run_id, "KILLED")
+            raise
+        except BaseException:
+            set_status(uri, job.run_id, "FAILED")
+            raise
+    wall = time.perf_counter() - started
+    set_status(uri, job.run_id, "FINISHED")
+    mark_complete(job)
+    write_json(work / "result.json", {"run_id": job.run_id, "rule": rule, "final": result})
+    mlflow_client = client(uri)
+    history = {
+        key: sorted((m.step, m.value) for m in mlflow_client.get_metric_history(job.run_id, key))
+        for key in HISTORY_KEYS
+    }
+    return ChildRun(rule, job.run_id, cfg.train.batch_size, result, wall, history)
+
+
+# --- the table ------------------------------------------------------------------------
+
+
+def _ratio(value: float, reference: float) -> float:
+    return value / reference if reference and math.isfinite(reference) else math.nan
+
+
+def table_rows(children: list[ChildRun], reference: str) -> list[dict[str, Any]]:
+    ref = next(c for c in children if c.rule == reference)
+    rows = []
+    for child in children:
+        val, ref_val = child.value("val_loss"), ref.value("val_loss")
+        sent, ref_sent = child.value("comm_bytes_per_step"), ref.value("comm_bytes_per_step")
+        rows.append(
+            {
+                "rule": child.rule,
+                "steps": child.steps,
+                "samples_per_s": child.samples_per_s,
+                "throughput_ratio": _ratio(child.samples_per_s, ref.samples_per_s),
+                "val_loss": val,
+                "val_loss_delta": val - ref_val,
+                "comm_bytes_per_step": sent,
+                "bytes_ratio": _ratio(sent, ref_sent),
+                "train_seconds": child.train_seconds,
+                "wall_seconds": child.wall_seconds,
+                "run_id": child.run_id,
+            }
+        )
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.4g}" if abs(value) < 1e6 else f"{value:.3e}"
+    return str(value)
+
+
+def table_csv(rows: list[dict[str, Any]]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def _headers(reference: str) -> dict[str, str]:
+    return {
+        "rule": "rule",
+        "steps": "steps",
+        "samples_per_s": "samples/s",
+        "throughput_ratio": f"vs {reference}",
+        "val_loss": "val_loss",
+        "val_loss_delta": f"Δ vs {reference}",
+        "comm_bytes_per_step": "bytes/step",
+        "bytes_ratio": f"vs {reference}",
+        "train_seconds": "train s",
+        "wall_seconds": "wall s",
+        "run_id": "MLflow run",
+    }
+
+
+def table_markdown(rows: list[dict[str, Any]], reference: str) -> str:
+    headers = _headers(reference)
+    lines = [
+        "| " + " | ".join(headers[c] for c in COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+        *("| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |" for row in rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def table_text(rows: list[dict[str, Any]], reference: str) -> str:
+    """The table for a terminal: columns padded to their widest cell."""
+    headers = _headers(reference)
+    columns = [c for c in COLUMNS if c != "run_id"]
+    cells = [[headers[c] for c in columns]] + [[_cell(r[c]) for c in columns] for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return "\n".join(
+        "  ".join(
+            text.ljust(width) if i == 0 else text.rjust(width)
+            for i, (text, width) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in cells
+    )
+
+
+# --- the plots ------------------------------------------------------------------------
+
+
+def _at_steps(points: list[tuple[int, float]], steps: list[int]) -> list[float]:
+    """A cumulative quantity logged at some steps, read at `steps` (linear between
+    logged points, starting from 0 at step 0)."""
+    import numpy as np
+
+    xs = [0] + [s for s, _ in points]
+    ys = [0.0] + [v for _, v in points]
+    return np.interp(steps, xs, ys).tolist()
+
+
+def _seconds_axis(child: ChildRun) -> list[tuple[int, float]]:
+    """Cumulative training seconds by step: the logged `train_seconds`, or, from an
+    engine that does not log it, the intervals' step time (batch / samples_per_s)."""
+    if child.history.get("train_seconds"):
+        return child.history["train_seconds"]
+    points, total, previous = [], 0.0, 0
+    for step, rate in child.history.get("samples_per_s", []):
+        if rate > 0:
+            total += (step - previous) * child.batch_size / rate
+        points.append((step, total))
+        previous = step
+    return points
+
+
+def curves(child: ChildRun) -> dict[str, tuple[list[float], list[float]]]:
+    """x-axis name -> (x, validation loss) at the child's validation steps; an axis
+    whose quantity the run did not log is left out."""
+    val = child.history.get("val_loss", [])
+    steps, losses = [s for s, _ in val], [v for _, v in val]
+    out = {"samples": ([float(s * child.batch_size) for s in steps], losses)}
+    if seconds := _seconds_axis(child):
+        out["seconds"] = (_at_steps(seconds, steps), losses)
+    if sent := child.history.get("comm_bytes_total"):
+        out["bytes"] = (_at_steps(sent, steps), losses)
+    return out
+
+
+def write_plots(children: list[ChildRun], folder: Path, fault: str) -> list[Path]:
+    """One PNG per x-axis, a line per rule."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    drawn = {child.rule: curves(child) for child in children}
+    paths = []
+    for axis, (name, label) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        missing = []
+        for rule, lines in drawn.items():
+            if axis in lines and lines[axis][0]:
+                ax.plot(*lines[axis], "o-", markersize=3, label=rule)
+            else:
+                missing.append(rule)
+        title = f"Validation loss by {label.split(' (')[0]}"
+        ax.set(xlabel=label, ylabel="val_loss", title=title + (f"\n{fault}" if fault else ""))
+        if missing:
+            ax.text(
+                0.02,
+                0.02,
+                f"not logged by: {', '.join(missing)}",
+                transform=ax.transAxes,
+                fontsize=8,
+                color="gray",
+            )
+        if len(missing) < len(drawn):
+            ax.legend()
+        path = folder / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# --- the whole comparison -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompareReport:
+    parent_id: str
+    run_url: str
+    experiment: str
+    tracking_uri: str
+    folder: Path
+    reference: str
+    fault: str
+    rows: list[dict[str, Any]]
+    children: dict[str, str]  # rule -> child run id
+
+    def describe(self) -> str:
+        children = ", ".join(f"{rule} {run}" for rule, run in self.children.items())
+        return (
+            f"gradline compare-updates complete (reference rule: {self.reference}; "
+            f"fault: {self.fault or 'none'})\n"
+            f"{table_text(self.rows, self.reference)}\n"
+            f"  MLflow run     {self.parent_id} (experiment {self.experiment!r}), the parent of\n"
+            f"                 {children}\n"
+            f"                 {self.run_url}\n"
+            f"  artifacts      {ARTIFACTS}/{TABLE_CSV}, {TABLE_MD}, "
+            f"{', '.join(name for name, _ in PLOTS.values())}\n"
+            f"  files          {self.folder}\n"
+            f"  tracking store {self.tracking_uri}\n"
+            f"  see them with  gradline ui  (MLflow UI on 127.0.0.1)"
+        )
+
+
+def _open_parent(plan: ComparePlan, data_version: str) -> str:
+    from mlflow.entities import Param
+
+    from training.runs import log_dataset, log_runtime
+    from training.tracking import (
+        TAG_DATA_VERSION,
+        TAG_GIT_COMMIT,
+        TAG_GIT_DIRTY,
+        client,
+        default_artifact_location,
+        ensure_experiment,
+        git_commit,
+    )
+
+    project, cfg = Project(plan.root), plan.base
+    uri = project.tracking_uri
+    experiment = ensure_experiment(
+        uri, cfg.registry.experiment, default_artifact_location(plan.root, uri)
+    )
+    tags = {TAG_RUN_NAME: "compare-updates", TAG_DATA_VERSION: data_version}
+    if commit := git_commit(plan.root):
+        tags[TAG_GIT_COMMIT], tags[TAG_GIT_DIRTY] = commit[0], str(commit[1]).lower()
+    mlflow_client = client(uri)
+    parent_id = mlflow_client.create_run(experiment, tags=tags).info.run_id
+    # What the children share (every job key but the rule), and what the comparison adds.
+    params = {k: v for k, v in cfg.flat().items() if is_tracked(k) and k != UPDATE_KEY}
+    params |= {
+        "compare.rules": ",".join(plan.rules),
+        "compare.reference": plan.reference,
+        f"compare.{FAULT_ENV}": plan.fault or "none",
+        "compare.slow_rank": "none" if plan.slow_rank is None else plan.slow_rank,
+        "compare.slow_factor": (
+            "none" if plan.slow_rank is None else (plan.slow_factor or 2.0)  # the default
+        ),
+    }
+    items = [Param(k, str(v)) for k, v in params.items()]
+    for start in range(0, len(items), 100):  # MLflow's batch limit
+        mlflow_client.log_batch(parent_id, params=items[start : start + 100])
+    log_runtime(mlflow_client, parent_id, cfg)
+    log_dataset(mlflow_client, parent_id, cfg, plan.root, data_version)
+    return parent_id
+
+
+def _log_results(uri: str, parent_id: str, rows: list[dict], files: list[Path]) -> None:
+    from mlflow.entities import Metric
+
+    from training.tracking import client
+
+    mlflow_client = client(uri)
+    stamp = int(time.time() * 1000)
+    metrics = [
+        Metric(f"{key}/{row['rule']}", float(row[key]), stamp, 0)
+        for row in rows
+        for key in COLUMNS
+        if isinstance(row[key], float) and math.isfinite(row[key])
+    ]
+    mlflow_client.log_batch(parent_id, metrics=metrics)
+    for path in files:
+        mlflow_client.log_artifact(parent_id, str(path), ARTIFACTS)
+
+
+def run_comparison(
+    plan: ComparePlan, say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
+) -> CompareReport:
+    """Train every rule on the project's current shards, under one parent run."""
+    from training.data.shards import read_manifest
+    from training.data.spec import DataSpec
+    from training.engine.launch import Preempted
+    from training.lineage import run_url, ui_base
+    from training.models import check_buildable
+    from training.runs import set_status
+    from training.tracking import client
+
+    project = Project(plan.root)
+    manifest = read_manifest(project.shards)
+    data = DataSpec.from_manifest(manifest)
+    for cfg in plan.children.values():  # bad input fails before any run exists
+        check_buildable(cfg.model, cfg.task.type, data, cfg.layout())
+    uri = project.tracking_uri
+    parent_id = _open_parent(plan, manifest["data_version"])
+    folder = project.checkpoints / "compare" / parent_id
+    say(f"compare-updates: parent MLflow run {parent_id}; files in {folder}")
+    children: list[ChildRun] = []
+    try:
+        for n, rule in enumerate(plan.rules, start=1):
+            say(f"compare-updates: training rule {rule} ({n}/{len(plan.rules)})")
+            children.append(_train_child(plan, rule, parent_id, folder, manifest["data_version"]))
+        rows = table_rows(children, plan.reference)
+        (folder / TABLE_CSV).write_text(table_csv(rows))
+        (folder / TABLE_MD).write_text(table_markdown(rows, plan.reference))
+        plots = write_plots(children, folder, plan.fault)
+        _log_results(uri, parent_id, rows, [folder / TABLE_CSV, folder / TABLE_MD, *plots])
+    except Preempted:
+        set_status(uri, parent_id, "KILLED")
+        raise
+    except BaseException:
+        set_status(uri, parent_id, "FAILED")
+        raise
+    set_status(uri, parent_id, "FINISHED")
+    experiment_id = client(uri).get_run(parent_id).info.experiment_id
+    base = ui_base(uri, plan.base.orchestrate.mlflow_ui_url)
+    return CompareReport(
+        parent_id=parent_id,
+        run_url=run_url(base, experiment_id, parent_id),
+        experiment=plan.base.registry.experiment,
+        tracking_uri=uri,
+        folder=folder,
+        reference=plan.reference,
+        fault=plan.fault,
+        rows=rows,
+        children={c.rule: c.run_id for c in children},
+    )
