@@ -76,6 +76,21 @@ def _weights(work: Path) -> dict[str, torch.Tensor]:
     return load_model_dir(work / "model")[0].state_dict()
 
 
+def _assert_same_training(tracking, got: tuple[str, Path], want: tuple[str, Path]) -> None:
+    """Losses of two (run id, work folder) jobs agree to 1e-5 at every step, weights to
+    1e-3 as in the layout tests (test_parallel): parameters whose true gradient is zero
+    (attention key biases) take Adam steps of rounding noise in any split."""
+    torch.testing.assert_close(
+        torch.tensor(_losses(tracking, got[0])),
+        torch.tensor(_losses(tracking, want[0])),
+        rtol=1e-5,
+        atol=0,
+    )
+    got_weights, want_weights = _weights(got[1]), _weights(want[1])
+    for name, value in want_weights.items():
+        torch.testing.assert_close(got_weights[name], value, rtol=0, atol=1e-3, msg=name)
+
+
 _done: dict[str, tuple[str, dict, Path]] = {}
 
 
@@ -114,15 +129,7 @@ def test_async_with_no_staleness_reproduces_sync(uninterrupted, tracking) -> Non
         uninterrupted("sync"),
         uninterrupted("async"),
     )
-    torch.testing.assert_close(
-        torch.tensor(_losses(tracking, async_run)),
-        torch.tensor(_losses(tracking, sync_run)),
-        rtol=1e-5,
-        atol=0,
-    )
-    got, want = _weights(async_work), _weights(sync_work)
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-3, msg=name)
+    _assert_same_training(tracking, (async_run, async_work), (sync_run, sync_work))
 
 
 def test_async_bounds_staleness_and_keeps_a_slow_rank_from_holding_others_back(
@@ -176,17 +183,7 @@ def test_measured_balance_moves_rows_off_a_slow_rank_and_computes_the_same(
     run_id, _ = _train(tiny_token_shards, tmp_path, parallel, tracking)
     shares = client(tracking[0]).get_metric_history(run_id, "batch_share/rank1")
     assert shares and min(m.value for m in shares) < 0.5
-    torch.testing.assert_close(
-        torch.tensor(_losses(tracking, run_id)),
-        torch.tensor(_losses(tracking, even_run)),
-        rtol=1e-5,
-        atol=0,
-    )
-    # Weights as in the layout tests (test_parallel): parameters whose true gradient is
-    # zero (attention key biases) take Adam steps of rounding noise in any split.
-    got, want = _weights(tmp_path), _weights(even_work)
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-3, msg=name)
+    _assert_same_training(tracking, (run_id, tmp_path), (even_run, even_work))
 
 
 @pytest.mark.parametrize("name", list(RULES))
