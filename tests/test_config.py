@@ -126,3 +126,37 @@ def test_job_identity_leaves_out_how_the_job_runs() -> None:
     optim = base.model_copy(update={"optim": base.optim.model_copy(update={"lr": 0.1})})
     assert job_key(optim, "md5") != job_key(base, "md5")
     assert job_key(base, "other-md5") != job_key(base, "md5")
+
+
+def test_update_rule_is_part_of_the_job_and_balance_is_not() -> None:
+    from training.runs import job_key
+
+    base = Config()
+
+    def with_parallel(**values) -> Config:
+        return base.model_copy(update={"parallel": base.parallel.model_copy(update=values)})
+
+    assert job_key(with_parallel(update="local_sgd"), "md5") != job_key(base, "md5")
+    assert job_key(with_parallel(grad_compression="fp16"), "md5") != job_key(base, "md5")
+    assert job_key(with_parallel(balance="measured"), "md5") == job_key(base, "md5")
+
+
+@pytest.mark.parametrize(
+    ("parallel", "message"),
+    [
+        ({"update": "async", "tp": 2}, "parallel.update=async acts on whole replicas"),
+        ({"balance": "measured", "dp_shard": 2}, "not with parallel.dp_shard=2"),
+        ({"update": "local_sgd", "grad_compression": "powersgd"}, "use one or the other"),
+        ({"update": "async", "balance": "measured"}, "parallel.balance=measured evens out"),
+        ({"update": "diloco", "outer_momentum": 1.0}, "outer_momentum"),
+    ],
+)
+def test_update_rules_that_cannot_combine_are_refused_by_name(parallel, message) -> None:
+    raw = {
+        "model": {"name": "gpt", "layers": 2, "heads": 2, "width": 32, "context": 16},
+        "data": {"source": "stdlib"},
+        "task": {"type": "language_modeling"},
+        "parallel": parallel,
+    }
+    with pytest.raises(ValueError, match=message):
+        Config.model_validate(raw)
