@@ -374,8 +374,13 @@ class Config(_Section):
         """What defines the job (with the data version): everything that computes the
         model, nothing about how the job runs."""
         identity = {section: getattr(self, section).model_dump() for section in JOB_SECTIONS}
-        flat = self.flat()
-        return identity | {"update": {key: flat[key] for key in UPDATE_KEYS}}
+        update = {key: self.flat()[key] for key in UPDATE_KEYS}
+        defaults = {key: _default(key) for key in UPDATE_KEYS}
+        # Only when the rule is not the default: jobs from before update rules keep
+        # their keys (and resume).
+        if update != defaults:
+            identity["update"] = update
+        return identity
 
     @model_validator(mode="after")
     def _sections_agree(self) -> Config:
@@ -526,6 +531,11 @@ UPDATE_KEYS = tuple(
         "powersgd_rank",
     )
 )
+
+
+def _default(key: str) -> Any:
+    section, field = key.split(".")
+    return Config.model_fields[section].annotation.model_fields[field].default
 
 
 def is_tracked(key: str) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.atomic import write_json
-from training.config import Config, is_tracked
+from training.config import UPDATE_KEYS, Config
 from training.project import JobDir
 from training.tracking import (
     FLOW_RUN_ENV,
@@ -85,7 +85,7 @@ def open_job_run(
 
     # Params are what defines the run; how it ran (runtime, parallel layout) may change
     # between attempts of the same job, so it goes into tags, set again on every attempt.
-    params = [Param(k, str(v)) for k, v in cfg.flat().items() if is_tracked(k)]
+    params = [Param(k, str(v)) for k, v in cfg.flat().items() if not _is_how(k)]
     mlflow_client.log_batch(run_id, params=params)
     log_runtime(mlflow_client, run_id, cfg)
     log_dataset(mlflow_client, run_id, cfg, root, data_version)
@@ -93,7 +93,12 @@ def open_job_run(
     return JobRun(run_id, job_dir, resumed=False)
 
 
-HOW_PREFIXES = ("runtime.", "parallel.")  # how a job runs: tags, not params (but UPDATE_KEYS)
+HOW_PREFIXES = ("runtime.", "parallel.")  # how a job runs: tags, not params...
+
+
+def _is_how(key: str) -> bool:
+    """...except the update rule's keys, which change the model (config.UPDATE_KEYS)."""
+    return key.startswith(HOW_PREFIXES) and key not in UPDATE_KEYS
 
 
 def log_runtime(mlflow_client, run_id: str, cfg: Config) -> None:
@@ -101,11 +106,7 @@ def log_runtime(mlflow_client, run_id: str, cfg: Config) -> None:
     tags (the latest attempt's)."""
     from mlflow.entities import RunTag
 
-    tags = [
-        RunTag(f"gradline.{k}", str(v))
-        for k, v in cfg.flat().items()
-        if k.startswith(HOW_PREFIXES) and not is_tracked(k)
-    ]
+    tags = [RunTag(f"gradline.{k}", str(v)) for k, v in cfg.flat().items() if _is_how(k)]
     mlflow_client.log_batch(run_id, tags=tags)
 
 

@@ -77,6 +77,7 @@ def run_segments(
                     loss = setup.objective.loss(model(xm).float(), ym) / accum
                 loss.backward()
                 loss_sum += loss.detach().cpu()
+        inst.stretch(n, inst.last["compute"])
         inst.step_done()
         return loss_sum.item(), len(x)
 

@@ -2,8 +2,7 @@
 
 DDP hands each gradient bucket to one hook. Ours notes when the bucket was launched
 (what backward waits after the last launch is exposed synchronisation, see timing.py),
-whether this step synchronises at all (local SGD and DiLoCo skip the all-reduce between
-their syncs), and then reduces the bucket:
+and then reduces the bucket (local SGD and DiLoCo skip DDP between their syncs):
 
 - none: the mean over ranks in full precision (DDP's default);
 - fp16: the bucket travels as float16 (half the bytes), PyTorch's fp16 hook;
@@ -41,7 +40,6 @@ class GradientReducer:
     def __init__(self, world_size: int, compression: str = "none", rank: int = 4) -> None:
         self.world_size, self.compression = world_size, compression
         self.last_launch = 0.0
-        self.enabled = True  # False: buckets stay local (steps between local-SGD syncs)
         self.names: dict[int, str] = {}  # id(parameter) -> its name (set by the owner)
         self.shapes: dict[str, torch.Size] = {}  # name -> shape (set by the owner)
         self.bucket_names: dict[int, list[str]] = {}  # each bucket's parameters, in order
@@ -60,10 +58,6 @@ class GradientReducer:
 
     # No annotations: DDP inspects them, and this module's are strings (future import).
     def hook(self, _state, bucket):
-        if not self.enabled:
-            future = torch.futures.Future()
-            future.set_result(bucket.buffer())
-            return future
         self.last_launch = time.perf_counter()
         if self.compression == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (

@@ -29,6 +29,7 @@ class Instruments:
         self._health = job_dir.health
         # This attempt's time in steps (validation excluded) and steps: benchmarks read it.
         self.loop_seconds, self.loop_steps = 0.0, 0
+        self.last: dict[str, float] = {}  # the latest seconds of each phase
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int) -> Iterator[None]:
@@ -38,12 +39,19 @@ class Instruments:
         started = time.perf_counter()
         yield
         seconds = time.perf_counter() - started
-        if name == "compute" and self.faults.active:  # an emulated slower device
-            extra = self.faults.stretch(step, seconds)
-            time.sleep(extra)
-            seconds += extra
+        self.last[name] = seconds
         self.times.add(name, seconds)
         self.loop_seconds += seconds
+
+    def stretch(self, step: int, own_compute: float) -> None:
+        """Injected slowness (faults `slow` with a factor, `hiccup`): the step's own
+        compute, waiting excluded, stretched as a slower device would, counted as compute."""
+        if not self.faults.active:
+            return
+        extra = self.faults.stretch(step, own_compute)
+        time.sleep(extra)
+        self.times.add("compute", extra)
+        self.loop_seconds += extra
 
     def move(self, seconds: float, source: str, target: str) -> None:
         """Re-attribute time measured inside one phase to another (sync wait measured

@@ -46,7 +46,10 @@ class IntervalLog:
         # numbers of gradients in an interval, and the job's steps are the server's.
         wall = max(r.wall_seconds for r in ranks)
         metrics["samples_per_s"] = self.cfg.train.batch_size * steps / wall if wall > 0 else 0.0
-        self.totals["comm_bytes_total"] += metrics["comm_bytes_per_step"] * steps
+        # Per step of the job (under async, ranks compute different numbers of gradients).
+        sent = sum(r.bytes_sent for r in ranks) / len(ranks)
+        metrics["comm_bytes_per_step"] = sent / steps
+        self.totals["comm_bytes_total"] += sent
         self.totals["train_seconds"] += wall
         self.totals["steps_counted"] += steps
         metrics.update(comm_bytes_total=self.totals["comm_bytes_total"])

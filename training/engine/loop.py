@@ -266,6 +266,7 @@ def train_step(cfg: Config, setup: Setup, topo: Topology, batch, step: int, inst
     inst.times.bytes_sent += outcome.bytes_sent
     inst.move(outcome.sync_wait, "compute", "sync_wait")
     inst.move(outcome.bubble, "compute", "pipeline_bubble")
+    inst.stretch(step, inst.last["compute"] - outcome.sync_wait - outcome.bubble)
     with inst.phase("optimizer", step):
         for group in setup.model.optimizer.param_groups:
             group["lr"] = lr_at(step, setup.total_steps, cfg.optim)
@@ -323,6 +324,7 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
     inst = Instruments(job_dir, topo.rank)
     intervals = IntervalLog(cfg, topo, setup, tracker, inst.times)
     position, step, resumed_from = resume(setup, topo, job_dir, intervals)
+    inst.times.reset()  # the first interval's clock starts with training, not set-up
     checkpointer = Checkpointer.for_job(topo, job_dir.path, rt, tracker)
     checkpointer.last_step = step  # what we resumed from is on disk already
     progress = Progress("train", setup.total_steps, "steps", done=step) if topo.is_main else None

@@ -43,6 +43,7 @@ from training.engine.sharding import (
 from training.engine.state import OptimizerGroup, TrainState, clip_grad_norm
 from training.engine.topology import Topology
 from training.engine.updates import ReplicaState, check_replicas, make_rule
+from training.errors import ConfigError
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -177,15 +178,16 @@ class DataParallel(Parallelized):
         return max(0.0, time.perf_counter() - max(self.reducer.last_launch, backward_started))
 
     def after_step(self, done: int) -> float:
-        sent = self.wire.bytes_sent
-        with self.wire.active():
-            self.rule.after_step(done)
-        return self.wire.bytes_sent - sent
+        return self._counted(self.rule.after_step, done)
 
     def finish(self, done: int) -> float:
+        return self._counted(self.rule.finish, done)
+
+    def _counted(self, sync, done: int) -> float:
+        """Run an update rule's sync; return the bytes it sent."""
         sent = self.wire.bytes_sent
         with self.wire.active():
-            self.rule.finish(done)
+            sync(done)
         return self.wire.bytes_sent - sent
 
     @property
@@ -328,6 +330,15 @@ class AsyncReplicas(Parallelized):
     def state(self) -> AsyncState:
         return AsyncState(self.ps, self.topo.is_main)
 
+    def resume_state(self, train_state: dict) -> AsyncState:
+        if train_state.get("world_size") != self.topo.world_size:
+            raise ConfigError(
+                f"this async job was checkpointed with {train_state.get('world_size')} "
+                f"workers, each at its own place in the data; resume it with "
+                f"runtime.world_size={train_state.get('world_size')}, or start a new job"
+            )
+        return AsyncState(self.ps, self.topo.is_main, loading=True)
+
     def close(self) -> None:
         self.ps.close()
 
@@ -337,16 +348,18 @@ class AsyncState:
     state (version, each worker's next gradient, the bucket) as one blob, all written by
     rank 0. Every rank reads the blob back (workers learn where they are from it)."""
 
-    def __init__(self, ps, is_main: bool) -> None:
-        self.ps, self.is_main = ps, is_main
+    def __init__(self, ps, is_main: bool, loading: bool = False) -> None:
+        self.ps, self.is_main, self.loading = ps, is_main, loading
 
     def state_dict(self) -> dict:
         import io
 
-        state = {"async": io.BytesIO()}
-        if self.is_main:
+        state: dict = {"async": io.BytesIO()} if self.loading else {}
+        if self.is_main:  # only rank 0 writes the blob; every rank reads it back
             state.update(TrainState([self.ps.server_model], self.ps.server_optimizer).state_dict())
-            torch.save(self.ps.state_dict(), state["async"])
+            if not self.loading:
+                state["async"] = io.BytesIO()
+                torch.save(self.ps.state_dict(), state["async"])
         return state
 
     def load_state_dict(self, state: dict) -> None:

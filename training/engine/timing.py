@@ -67,7 +67,7 @@ class RankTimes:
     rank: int
     per_step: dict[str, float]  # seconds per step in each phase
     busy: float  # seconds per step of the rank's own step work (see NOT_BUSY)
-    bytes_per_step: float = 0.0  # bytes the rank sent per step
+    bytes_sent: float = 0.0  # bytes the rank sent in the interval
     wall_seconds: float = 0.0  # the interval's wall time on this rank
 
     @classmethod
@@ -76,7 +76,7 @@ class RankTimes:
         per_step = {p: row[i] / steps for i, p in enumerate(PHASES)}
         per_step["wall"] = row[len(PHASES) + 1] / steps
         busy = per_step["wall"] - sum(per_step[p] for p in NOT_BUSY)
-        return cls(rank, per_step, busy, row[len(PHASES) + 2] / steps, row[len(PHASES) + 1])
+        return cls(rank, per_step, busy, row[len(PHASES) + 2], row[len(PHASES) + 1])
 
 
 def gather_times(times: StepTimes, world_size: int) -> list[RankTimes]:
@@ -118,5 +118,4 @@ def interval_metrics(ranks: list[RankTimes]) -> dict[str, float]:
     for phase in PHASES:
         mean = sum(r.per_step[phase] for r in ranks) / len(ranks)
         metrics[f"time_fraction_{phase}"] = mean / wall if wall > 0 else 0.0
-    metrics["comm_bytes_per_step"] = sum(r.bytes_per_step for r in ranks) / len(ranks)
     return metrics

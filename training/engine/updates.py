@@ -83,6 +83,8 @@ class LocalSGD(SyncEveryStep):
         if self.world_size > 1:
             dist.all_reduce(flat)
             flat.div_(self.world_size)
+        if flat.is_cuda:  # the sync's time is the loop's sync wait, not the next compute
+            torch.cuda.synchronize(flat.device)
         return flat
 
     def _sync(self) -> float:
