@@ -374,7 +374,8 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
                 with inst.phase("data_wait", step):
                     x, y = next(batches)
                     if on_gpu:
-                        x, y = x.to(topo.device, non_blocking=True), y.to(topo.device, True)
+                        x = x.to(topo.device, non_blocking=True)
+                        y = y.to(topo.device, non_blocking=True)
                 intervals.add_loss(train_step(cfg, setup, topo, (x, y), step, inst))
                 step += 1
                 if step == setup.total_steps:  # one model: local replicas average a last time
