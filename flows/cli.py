@@ -112,7 +112,12 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         stages.shard_stage(root, Path(args.raw), Path(args.out))
     elif args.name == "train":
         stages.train_stage(
-            root, Path(args.shards), Path(args.model), Path(args.checkpoints), Path(args.result)
+            root,
+            Path(args.shards),
+            Path(args.model),
+            Path(args.checkpoints),
+            Path(args.result),
+            overrides=launch_overrides(args),
         )
     elif args.name == "evaluate":
         stages.evaluate_stage(
@@ -127,10 +132,18 @@ def _cmd_stage(args: argparse.Namespace) -> int:
 
 
 def _cmd_ui(args: argparse.Namespace) -> int:
-    from flows.ui import serve_uis
+    from flows.ui import UiOptions, serve_uis
     from training.project import find_project_root
 
-    return serve_uis(find_project_root(), args.mlflow_port, args.prefect_port)
+    options = UiOptions(
+        mlflow_port=args.mlflow_port,
+        prefect_port=args.prefect_port,
+        host=args.host,
+        auth=args.auth,
+        allowed_hosts=args.allowed_hosts,
+        workers=args.workers,
+    )
+    return serve_uis(find_project_root(), options)
 
 
 def _positive_int(text: str) -> int:
@@ -233,16 +246,71 @@ def build_parser() -> argparse.ArgumentParser:
     train = stage_sub.add_parser("train")
     for flag in ("--shards", "--model", "--checkpoints", "--result"):
         train.add_argument(flag, required=True)
+    _add_launch_flags(train)
     evaluate = stage_sub.add_parser("evaluate")
     for flag in ("--model", "--shards", "--result", "--metrics", "--plots"):
         evaluate.add_argument(flag, required=True)
     stage.set_defaults(func=_cmd_stage)
 
-    ui = sub.add_parser("ui", help="serve the MLflow UI and a Prefect server on 127.0.0.1")
+    ui = sub.add_parser(
+        "ui",
+        help="serve the MLflow UI and a Prefect server (127.0.0.1) until Ctrl-C or SIGTERM",
+    )
     ui.add_argument("--mlflow-port", type=int, default=5000)
     ui.add_argument("--prefect-port", type=int, default=4200)
+    ui.add_argument(
+        "--auth",
+        action="store_true",
+        help="team server: MLflow's basic-auth app; the first start creates the admin from "
+        "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD",
+    )
+    ui.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the MLflow server listens on (not loopback: needs --auth)",
+    )
+    ui.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="HOST[,HOST...]",
+        help="Host headers MLflow accepts besides localhost, private addresses and this "
+        "machine's name, e.g. mlflow.example.org (others get 403)",
+    )
+    ui.add_argument(
+        "--workers", type=_positive_int, default=1, help="MLflow server worker processes"
+    )
     ui.set_defaults(func=_cmd_ui)
     return parser
+
+
+# torchrun's launch notions, with torchrun's environment names (PET_*) as defaults, so
+# a Slurm script or a Kubernetes operator that sets them for torchrun sets them for us.
+LAUNCH_FLAGS = {
+    "--nnodes": ("runtime.nnodes", "PET_NNODES", "nodes as N or MIN:MAX (elastic)"),
+    "--nproc-per-node": ("runtime.world_size", "PET_NPROC_PER_NODE", "worker processes here"),
+    "--rdzv-endpoint": ("runtime.rdzv_endpoint", "PET_RDZV_ENDPOINT", "HOST:PORT of node one"),
+    "--rdzv-id": ("runtime.rdzv_id", "PET_RDZV_ID", "the same job id on every node"),
+    "--local-addr": ("runtime.local_addr", "PET_LOCAL_ADDR", "this node's reachable address"),
+}
+
+
+def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, (key, env, text) in LAUNCH_FLAGS.items():
+        parser.add_argument(flag, default=None, help=f"{text} ({key}; env {env})")
+
+
+def launch_overrides(args: argparse.Namespace) -> list[str]:
+    """`key=value` overrides from the launch flags, else from torchrun's environment."""
+    overrides = []
+    for flag, (key, env, _) in LAUNCH_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_")) or os.environ.get(env)
+        if value:
+            overrides.append(f"{key}={value}")
+    # Operators that only name the first pod (Kubeflow: PET_MASTER_ADDR/PORT).
+    addr, port = os.environ.get("PET_MASTER_ADDR"), os.environ.get("PET_MASTER_PORT")
+    if addr and port and not any(o.startswith("runtime.rdzv_endpoint=") for o in overrides):
+        overrides.append(f"runtime.rdzv_endpoint={addr}:{port}")
+    return overrides
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -154,11 +155,12 @@ def test_stalled_rank_fails_the_job_naming_it_within_the_timeout(
     cfg = _config(runtime={"collective_timeout_s": timeout})
     with pytest.raises(TrainingFailed) as failure:
         launch_workers(_job(tiny_shards, tmp_path, cfg), world_size=2, max_restarts=0)
-    failed_at = time.time()
-    beat = json.loads((tmp_path / "ckpt" / "health" / "rank1.json").read_text())
-    assert beat["step"] == 4 and beat["phase"] == "data"
-    assert failed_at - beat["since"] < timeout + 5  # stall to failure
-    assert "rank 1 stopped at step 4 in data" in str(failure.value)
+    # The heartbeats came through the control store, not files: stall to failure is
+    # within the collective timeout.
+    found = re.search(r"rank 1 stopped at step 4 in data \(([0-9.]+) s before", str(failure.value))
+    assert found, str(failure.value)
+    assert float(found.group(1)) < timeout + 10  # the explanation comes after teardown
+    assert not (tmp_path / "ckpt" / "health" / "rank1.json").exists()
 
 
 def test_slow_rank_is_reported_as_a_straggler(tiny_shards, tmp_path, monkeypatch) -> None:

@@ -1,19 +1,34 @@
-"""Health records name where a rank stopped, even when it failed within its first second."""
+"""Health records go through the job's control store and name where a rank stopped, even
+when it failed within its first second; stop requests reach every rank's reader."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from training.engine.control import Control
+from training.engine.health import Heartbeat, describe, latest_failures, record_failure
+from training.engine.launch import free_port
 
-from training.engine.health import Heartbeat, describe, read_beats, read_failures, record_failure
 
-
-def test_a_failure_record_carries_the_rank_s_last_step(tmp_path: Path) -> None:
-    fast, slow = Heartbeat(tmp_path, rank=0), Heartbeat(tmp_path, rank=1, interval_s=3600)
+def test_a_failure_record_carries_the_rank_s_last_step() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    launcher = Control.open(endpoint, "job-a", timeout_s=10)
+    worker = Control.connect(endpoint, "job-a", timeout_s=10)
+    assert launcher.hosting and not worker.hosting
+    fast, slow = Heartbeat(worker, rank=0), Heartbeat(worker, rank=1, interval_s=3600)
     fast.beat(25, "sync")
-    slow.beat(25, "compute")  # the periodic writer has not run yet
-    record_failure(tmp_path, 0, RuntimeError("connection closed by peer"))
-    record_failure(tmp_path, 1, RuntimeError("injected failure at step 25"))
-    beats = {b["rank"]: (b["step"], b["phase"]) for b in read_beats(tmp_path)}
+    slow.beat(25, "compute")  # the periodic publisher has not run yet
+    record_failure(worker, 0, RuntimeError("connection closed by peer"))
+    record_failure(worker, 1, RuntimeError("injected failure at step 25"))
+    beats = {b["rank"]: (b["step"], b["phase"]) for b in launcher.beats(ranks=4)}
     assert beats == {0: (25, "sync"), 1: (25, "compute")}
-    assert describe(read_beats(tmp_path)).startswith("rank 1 stopped at step 25 in compute")
-    assert [r["rank"] for r in read_failures(tmp_path)] == [0, 1]
+    assert describe(launcher.beats(ranks=2)).startswith("rank 1 stopped at step 25 in compute")
+    assert [r["rank"] for r in latest_failures(launcher.failures())] == [0, 1]
+
+
+def test_stop_requests_and_the_run_claim_are_per_job_and_shared() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    first = Control.open(endpoint, "job-b", timeout_s=10)
+    second = Control.connect(endpoint, "job-b", timeout_s=10)  # another node's launcher
+    other_job = Control.connect(endpoint, "job-c", timeout_s=10)
+    assert [first.claim("run/owner"), second.claim("run/owner")] == [True, False]
+    second.request_stop()
+    assert first.stop_requested() and not other_job.stop_requested()

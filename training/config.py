@@ -7,12 +7,20 @@ rejected the same way everywhere, before anything is written.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from training.errors import ConfigError
 
@@ -200,7 +208,23 @@ class RuntimeConfig(_Section):
     """How a job runs. Never part of the job's identity nor a DVC param: changing a key
     here never retrains and never starts a new MLflow run (a stopped job resumes)."""
 
-    world_size: int = Field(2, ge=1, description="worker processes (one per GPU on CUDA)")
+    world_size: int = Field(
+        2, ge=1, description="worker processes on each node (torchrun's nproc_per_node)"
+    )
+    nnodes: str = Field("1", description="nodes: N, or MIN:MAX to go on when nodes are lost")
+    rdzv_endpoint: str = Field(
+        "", description="HOST:PORT of the rendezvous on the first node (empty: this machine)"
+    )
+    rdzv_id: str = Field("", description="the job's id, the same on every node")
+    rdzv_last_call_s: float = Field(
+        30.0, ge=0.0, description="after MIN nodes joined, how long to wait for more"
+    )
+    rdzv_join_timeout_s: float = Field(
+        600.0, gt=0.0, description="how long a node waits for the others to join"
+    )
+    local_addr: str = Field(
+        "", description="this node's address as the other nodes reach it (empty: hostname)"
+    )
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per rank")
     loader_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
@@ -215,6 +239,41 @@ class RuntimeConfig(_Section):
     straggler_factor: float = Field(1.5, gt=1.0, description="busy time over the median rank")
     collective_timeout_s: float = Field(300.0, gt=0.0, description="a stalled rank fails then")
     max_restarts: int = Field(3, ge=0, description="elastic restarts after a worker failure")
+
+    @field_validator("nnodes", mode="before")
+    @classmethod
+    def _count_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) else value
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """(MIN, MAX) nodes from `nnodes` ("2" or "1:2")."""
+        low, _, high = self.nnodes.partition(":")
+        return int(low), int(high or low)
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> RuntimeConfig:
+        try:
+            low, high = self.node_range
+        except ValueError:
+            low = high = 0
+        if not 1 <= low <= high:
+            raise ValueError(
+                f"runtime.nnodes={self.nnodes!r}: give a node count (2) or MIN:MAX (1:2) "
+                "with 1 <= MIN <= MAX"
+            )
+        if high > 1 and not (self.rdzv_endpoint and self.rdzv_id):
+            raise ValueError(
+                f"runtime.nnodes={self.nnodes} needs runtime.rdzv_endpoint (HOST:PORT on the "
+                "first node, the same on every node) and runtime.rdzv_id (the same job id on "
+                "every node): pass --rdzv-endpoint and --rdzv-id to `gradline stage train`"
+            )
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        if self.rdzv_endpoint and not (host and port.isdigit()):
+            raise ValueError(
+                f"runtime.rdzv_endpoint={self.rdzv_endpoint!r}: give HOST:PORT, e.g. node1:29500"
+            )
+        return self
 
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first, as ranks are laid out
@@ -418,8 +477,10 @@ class Config(_Section):
         return self
 
     def layout(self) -> dict[str, int]:
-        """The resolved mesh sizes: pp, dp_replicate, dp_shard, tp."""
-        return self.parallel.degrees(self.runtime.world_size)
+        """The resolved mesh sizes: pp, dp_replicate, dp_shard, tp, for the most ranks the
+        job can have (every node at its full count); the workers resolve them again for
+        the ranks that actually joined."""
+        return self.parallel.degrees(self.runtime.world_size * self.runtime.node_range[1])
 
     def _check_layout(self) -> None:
         """The global batch splits evenly over data-parallel ranks, micro-batches and
@@ -581,7 +642,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
             f"keys in {section} are {', '.join(_section_fields(section))}"
         )
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.load(raw, Loader=Yaml12Loader) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from exc
     return section, field, value
@@ -613,12 +674,27 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
     return ConfigError(f"invalid configuration in {source}:\n" + "\n".join(lines))
 
 
+class Yaml12Loader(yaml.SafeLoader):
+    """PyYAML reads YAML 1.1, where `1:2` is the base-60 number 62; in YAML 1.2 (and to
+    every reader of params.yaml) it is text, e.g. the node range `runtime.nnodes: 1:2`."""
+
+
+_COLON_NUMBERS = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-9_]+)+(?:\.[0-9_]*)?$")
+# Resolvers are tried in order: text first for colon-separated digits, then the rest.
+Yaml12Loader.yaml_implicit_resolvers = {
+    first: [("tag:yaml.org,2002:str", _COLON_NUMBERS), *resolvers]
+    if first in "-+0123456789"
+    else list(resolvers)
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
 def read_yaml_mapping(path: Path, missing: str, shape: str) -> dict[str, Any]:
     """A YAML file that must hold a mapping; `missing` and `shape` finish the messages."""
     if not path.is_file():
         raise ConfigError(f"{path} not found: {missing}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=Yaml12Loader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):

@@ -18,6 +18,7 @@ from training.tracking import (
     TAG_GIT_DIRTY,
     TAG_JOB_KEY,
     client,
+    redact_uri,
 )
 
 # Copied onto each model version, so the registry alone answers "where from?".
@@ -60,7 +61,7 @@ def parse_model_ref(text: str, default_alias: str = "champion") -> ModelRef:
 def ui_base(tracking_uri: str, local_ui_url: str) -> str:
     """The MLflow UI that shows this store: the server itself, or `gradline ui`'s."""
     if tracking_uri.startswith(("http://", "https://")):
-        return tracking_uri.rstrip("/")
+        return redact_uri(tracking_uri).rstrip("/")  # links are shown: no credentials
     return local_ui_url.rstrip("/")
 
 

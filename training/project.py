@@ -85,8 +85,9 @@ class Project:
 
 @dataclass(frozen=True)
 class JobDir:
-    """Every file of one training job: its checkpoints and the files its ranks and its
-    launcher share (tracking journal, heartbeats, stop request, run id)."""
+    """Every file of one training job, in the checkpoint location that every node sees:
+    its checkpoints, rank 0's tracking journal, the run id, drill records (health/).
+    Stop requests and heartbeats do not go through files (training.engine.control)."""
 
     path: Path
 
@@ -97,11 +98,6 @@ class JobDir:
     @property
     def health(self) -> Path:
         return self.path / "health"
-
-    @property
-    def preempt_request(self) -> Path:
-        """The launcher creates it on SIGTERM; ranks see it at a control step and stop."""
-        return self.path / "PREEMPT"
 
     @property
     def run_file(self) -> Path:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from training.atomic import write_json
 from training.config import UPDATE_KEYS, Config
+from training.errors import GradlineError
 from training.project import JobDir
 from training.tracking import (
     FLOW_RUN_ENV,
@@ -131,6 +132,47 @@ def log_dataset(mlflow_client, run_id: str, cfg: Config, root: Path, data_versio
             )
         ],
     )
+
+
+class CheckpointsNotShared(GradlineError):
+    """A node does not see the job folder another node created: the checkpoint location
+    is not shared."""
+
+    exit_code = 2
+
+
+def open_shared_job_run(control, checkpoints: Path, tracking_uri: str, open_run) -> JobRun:
+    """One MLflow run per job across all nodes: the first launcher to claim the job in the
+    control store opens (or resumes) it with `open_run()` and publishes its id; the
+    others read it, then check that they see the same job folder and the same run."""
+    if control.claim("run/owner"):
+        job = open_run()
+        relative = job.job_dir.path.relative_to(checkpoints)
+        shared = {"run_id": job.run_id, "job": str(relative), "resumed": job.resumed}
+        control.put_json("run", shared)
+        return job
+    shared = control.get_json("run")
+    job = JobRun(shared["run_id"], JobDir(checkpoints / shared["job"]), shared["resumed"])
+    run_file = job.job_dir.run_file
+    seen = json.loads(run_file.read_text())["run_id"] if run_file.is_file() else None
+    if seen != job.run_id:
+        raise CheckpointsNotShared(
+            f"this node does not see the job folder the first node created ({run_file} "
+            f"{'holds another run' if seen else 'is missing'}): every node must see the same "
+            f"checkpoint location; pass a path on a filesystem mounted on every node as "
+            f"--checkpoints (here {checkpoints})"
+        )
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client(tracking_uri).get_run(job.run_id)
+    except MlflowException as exc:
+        raise CheckpointsNotShared(
+            f"MLflow run {job.run_id}, opened by the first node, is not found at this node's "
+            f"tracking URI: point every node at the same tracking server "
+            f"(MLFLOW_TRACKING_URI) ({type(exc).__name__})"
+        ) from exc
+    return job
 
 
 def mark_complete(job: JobRun) -> None:

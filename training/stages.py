@@ -44,22 +44,35 @@ def shard_stage(root: Path, raw: Path, out: Path) -> dict[str, Any]:
 
 
 def train_stage(
-    root: Path, shards: Path, model_dir: Path, checkpoints: Path, result: Path
-) -> dict[str, Any]:
-    from training.engine.launch import Preempted, launch_workers
+    root: Path,
+    shards: Path,
+    model_dir: Path,
+    checkpoints: Path,
+    result: Path,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> dict[str, Any] | None:
+    """Train on this node; on the node that ran rank 0, record the model and the result.
+    `overrides` are the launch flags (nodes, rendezvous), never written to params.yaml."""
+    from training.engine.launch import Preempted, launch_workers, open_control
     from training.engine.loop import TrainJob
     from training.models import check_buildable
-    from training.runs import mark_complete, open_job_run, set_status
+    from training.runs import mark_complete, open_job_run, open_shared_job_run, set_status
     from training.serving import log_pyfunc_model
 
     project = Project(root)
-    cfg = project.config()
+    cfg = project.config(overrides)
     manifest = read_manifest(shards)
     # A model that cannot be built for this data fails here, as bad input (exit 2),
     # before a run is created or a worker starts.
     check_buildable(cfg.model, cfg.task.type, DataSpec.from_manifest(manifest), cfg.layout())
     tracking_uri = project.tracking_uri
-    job = open_job_run(root, cfg, tracking_uri, manifest["data_version"], checkpoints)
+    control = open_control(cfg.runtime)
+    job = open_shared_job_run(
+        control,
+        checkpoints,
+        tracking_uri,
+        lambda: open_job_run(root, cfg, tracking_uri, manifest["data_version"], checkpoints),
+    )
     log.info(
         "train: MLflow run %s (%s), %d workers",
         job.run_id,
@@ -75,13 +88,16 @@ def train_stage(
         run_id=job.run_id,
     )
     try:
-        final = launch_workers(train_job, cfg.runtime.world_size, cfg.runtime.max_restarts)
+        final = launch_workers(train_job, cfg.runtime.world_size, cfg.runtime.max_restarts, control)
     except Preempted:
         set_status(tracking_uri, job.run_id, "KILLED")  # resumable: the next run continues it
         raise
     except BaseException:
         set_status(tracking_uri, job.run_id, "FAILED")
         raise
+    if final is None:
+        log.info("train: done here; rank 0's node records the model of run %s", job.run_id)
+        return None
     model_uri = log_pyfunc_model(
         tracking_uri, job.run_id, model_dir, generation_defaults(cfg), prompts=cfg.task.prompts
     )

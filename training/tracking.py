@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import subprocess
+import urllib.parse
 from pathlib import Path
 
 from training.errors import TrackingError
@@ -32,6 +33,17 @@ def default_tracking_uri(root: Path) -> str:
     if env:
         return env
     return f"sqlite:///{(root / 'mlflow' / 'mlflow.db').resolve()}"
+
+
+def redact_uri(uri: str) -> str:
+    """`uri` without the user name and password it may carry (`http://user:pw@host` ->
+    `http://host`): for anything printed or recorded. MLflow reads credentials from
+    MLFLOW_TRACKING_USERNAME/PASSWORD too, but a URI with them in it also works, so every
+    place that shows the tracking URI passes it through here."""
+    parts = urllib.parse.urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 def default_artifact_location(root: Path, tracking_uri: str) -> str | None:
@@ -70,7 +82,7 @@ def store_errors(tracking_uri: str):
         yield
     except MlflowException as exc:
         raise TrackingError(
-            f"the MLflow tracking store at {tracking_uri} failed: {exc.message}. "
+            f"the MLflow tracking store at {redact_uri(tracking_uri)} failed: {exc.message}. "
             "Check MLFLOW_TRACKING_URI and that the server is running."
         ) from exc
 

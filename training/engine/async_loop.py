@@ -55,7 +55,7 @@ class WorkerBatches:
 
 
 def run_segments(
-    cfg, setup, topo: Topology, job_dir, inst, intervals, tracker, progress, save, evaluate, step
+    cfg, setup, topo: Topology, control, inst, intervals, tracker, progress, save, evaluate, step
 ) -> tuple[int, LoaderPosition, bool]:
     """Train from server step `step` to the end (or a stop request); returns the step,
     the position in global terms, and whether the job was asked to stop."""
@@ -107,7 +107,7 @@ def run_segments(
         if (rt.eval_every_steps and step % rt.eval_every_steps == 0) or epoch_end:
             evaluate(step, -(-step // per_epoch))
         inst.collective(step)
-        preempted = _preempt_requested(job_dir)
+        preempted = _preempt_requested(control, topo)
     return step, position, preempted
 
 

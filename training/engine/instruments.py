@@ -12,6 +12,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+from training.engine.control import Control
 from training.engine.faults import FaultPlan
 from training.engine.health import SYNC, Heartbeat, mark_resumed
 from training.engine.timing import StepTimes
@@ -22,8 +23,8 @@ _BEAT = {"data_wait": "data", "sync_wait": SYNC, "checkpoint_stall": "checkpoint
 
 
 class Instruments:
-    def __init__(self, job_dir: JobDir, rank: int) -> None:
-        self.heartbeat = Heartbeat(job_dir.health, rank)
+    def __init__(self, job_dir: JobDir, rank: int, control: Control) -> None:
+        self.heartbeat = Heartbeat(control, rank)
         self.faults = FaultPlan.from_env(rank, job_dir.health)
         self.times = StepTimes()
         self._health = job_dir.health

@@ -1,15 +1,20 @@
-"""Start N workers under torch.distributed.elastic, watch for preemption, explain failures.
+"""Start this node's workers under torch.distributed.elastic, watch for preemption,
+explain failures.
 
-The elastic agent owns starting, watching and restarting workers: when one dies, it
-restarts all of them (up to train.max_restarts) and they resume from the latest
-checkpoint. SIGTERM to this process (a preemption) is not forwarded as a kill: it
-becomes a stop request that every rank sees at its next control step, so they
-checkpoint together and exit; the job then ends with PREEMPTED_EXIT_CODE.
+Every node runs the same launcher (one agent per node, as torchrun does): the c10d
+rendezvous on `runtime.rdzv_endpoint` gathers `runtime.nnodes` (N, or MIN:MAX) agents of
+`runtime.world_size` workers each. The elastic agents own starting, watching and
+restarting workers: when a worker or a node dies, the surviving agents restart theirs (up
+to train.max_restarts), with fewer nodes when MIN allows, and they resume from the latest
+checkpoint. SIGTERM to a launcher (a preemption notice) is not forwarded as a kill: it
+becomes a stop request in the control store that every rank sees at its next control
+step, so they checkpoint together and exit; the job then ends with PREEMPTED_EXIT_CODE.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -18,9 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from training.config import Config
+from training.config import Config, RuntimeConfig
 from training.engine.consolidate import consolidate_model
-from training.engine.health import clear, describe, read_beats, read_failures
+from training.engine.control import Control
+from training.engine.health import describe, latest_failures
 from training.engine.loop import TrainJob, worker_main
 from training.errors import CRASH_EXIT_CODE, PREEMPTED_EXIT_CODE, GradlineError
 from training.project import JobDir
@@ -45,25 +51,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@contextlib.contextmanager
-def _stop_requests_become_files(job_dir: JobDir) -> Iterator[None]:
-    request = job_dir.preempt_request
-    request.unlink(missing_ok=True)
+def open_control(runtime: RuntimeConfig) -> Control:
+    """The job's control store on the rendezvous endpoint; a one-node job without an
+    endpoint gets a private one on loopback."""
+    endpoint = runtime.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    job_id = runtime.rdzv_id or f"gradline-{uuid.uuid4().hex[:8]}"
+    return Control.open(endpoint, job_id, runtime.rdzv_join_timeout_s)
 
+
+@contextlib.contextmanager
+def _stop_requests_go_to_the_store(control: Control) -> Iterator[None]:
     def on_term(signum, _frame) -> None:
-        request.touch()
+        control.request_stop()
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-        request.unlink(missing_ok=True)
 
 
-def _explain(exc: Exception, health_dir: Path, attempts: int) -> str:
+def _explain(exc: Exception, control: Control, attempts: int, ranks: int) -> str:
     lines = [f"training failed after {attempts} attempt(s):"]
-    recorded = read_failures(health_dir)
+    try:
+        recorded, beats = latest_failures(control.failures()), control.beats(ranks)
+    except (RuntimeError, OSError) as store_error:  # the store's host is gone with its node
+        recorded, beats = [], []
+        lines.append(f"  (the control store at {control.endpoint} is gone: {store_error})")
     for n, record in enumerate(recorded):
         cause = "root cause" if n == 0 else "then"
         lines.append(f"  {cause}: rank {record['rank']} raised {record['error']}")
@@ -71,48 +85,74 @@ def _explain(exc: Exception, health_dir: Path, attempts: int) -> str:
     for rank, failure in sorted(getattr(exc, "failures", {}).items()):
         if rank not in named:
             lines.append(f"  rank {rank} exited with code {failure.exitcode}")
-    if hang := describe(read_beats(health_dir)):
+    if hang := describe(beats):
         lines.append(f"  progress: {hang}")
     lines.append("  the latest checkpoint is kept; run again to resume from it")
     return "\n".join(lines)
 
 
-def launch_workers(job: TrainJob, world_size: int, max_restarts: int) -> dict[str, Any]:
-    """Run `worker_main(job)` on `world_size` local ranks, then consolidate the trained
-    model into `job.model_dir` from the final checkpoint; return rank 0's result."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def _launch_config(runtime: RuntimeConfig, control: Control, max_restarts: int):
+    from torch.distributed.launcher.api import LaunchConfig
 
-    threads = str(job.config["runtime"]["threads_per_worker"])
-    os.environ.setdefault("OMP_NUM_THREADS", threads)
-    job_dir = JobDir(Path(job.job_dir))
-    job_dir.path.mkdir(parents=True, exist_ok=True)
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=f"gradline-{uuid.uuid4().hex[:8]}",
+    min_nodes, max_nodes = runtime.node_range
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=runtime.world_size,
+        run_id=control.job_id,
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint=control.endpoint,
+        rdzv_configs={
+            # Whole seconds: the rendezvous parses its timeouts as integers.
+            "join_timeout": round(runtime.rdzv_join_timeout_s),
+            "last_call_timeout": round(runtime.rdzv_last_call_s),
+        },
         max_restarts=max_restarts,
         monitor_interval=0.5,
         start_method="spawn",
         # SIGTERM is ours (a graceful stop request), not the agent's (kill the workers).
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
+        local_addr=runtime.local_addr or None,
     )
-    health_dir = job_dir.health
-    clear(health_dir)
-    with _stop_requests_become_files(job_dir):
-        try:
-            results = elastic_launch(config, worker_main)(job)
-        except ChildFailedError as exc:
-            raise TrainingFailed(_explain(exc, health_dir, max_restarts + 1)) from exc
-    result = results[0]
-    if result.get("preempted"):
-        raise Preempted(
-            f"stopped on request at step {result['step']}; checkpoint saved in "
-            f"{job_dir.path}. Run the same job again to resume"
-        )
+
+
+def launch_workers(
+    job: TrainJob, world_size: int, max_restarts: int, control: Control | None = None
+) -> dict[str, Any] | None:
+    """Run `worker_main(job)` on this node's `world_size` ranks. On the node that ran
+    rank 0, consolidate the trained model into `job.model_dir` from the final checkpoint
+    and return rank 0's result; on the other nodes return None."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
     cfg = Config.model_validate(job.config)
-    consolidate_model(cfg, Path(job.shard_dir), job_dir.path, Path(job.model_dir), result["step"])
+    runtime = cfg.runtime.model_copy(update={"world_size": world_size})
+    os.environ.setdefault("OMP_NUM_THREADS", str(runtime.threads_per_worker))
+    # Each rendezvous round gets a fresh store for the workers, served by rank 0: with
+    # the agents' shared store (torch's default), an agent that stays rank 0 when a node
+    # joins later never publishes the new round's store address and the newcomer waits
+    # for it until its timeout; a fresh store also keeps a restarted rank from reading
+    # a dead peer's address left by the previous attempt.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    JobDir(Path(job.job_dir)).path.mkdir(parents=True, exist_ok=True)
+    control = control or open_control(runtime)
+    job = dataclasses.replace(job, rdzv_endpoint=control.endpoint, rdzv_id=control.job_id)
+    ranks = world_size * runtime.node_range[1]
+    with _stop_requests_go_to_the_store(control):
+        try:
+            launch = elastic_launch(_launch_config(runtime, control, max_restarts), worker_main)
+            results = launch(job)
+        except ChildFailedError as exc:
+            raise TrainingFailed(_explain(exc, control, max_restarts + 1, ranks)) from exc
+    stopped = [r for r in results.values() if r and r.get("preempted")]
+    if stopped:
+        raise Preempted(
+            f"stopped on request at step {stopped[0]['step']}; checkpoint saved in "
+            f"{job.job_dir}. Run the same job again to resume"
+        )
+    if 0 not in results:  # rank 0 ran on another node, which records the model
+        return None
+    result = results[0]
+    job_dir, model_dir = Path(job.job_dir), Path(job.model_dir)
+    consolidate_model(cfg, Path(job.shard_dir), job_dir, model_dir, result["step"])
     return result

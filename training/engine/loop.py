@@ -33,6 +33,7 @@ from training.data.shards import read_manifest
 from training.data.spec import DataSpec
 from training.engine.balance import Balancer
 from training.engine.checkpoint import Checkpointer, find_latest, load_into
+from training.engine.control import Control
 from training.engine.health import record_failure
 from training.engine.instruments import Instruments
 from training.engine.intervals import IntervalLog
@@ -65,12 +66,16 @@ class TrainJob:
     model_dir: str
     tracking_uri: str | None
     run_id: str | None
+    # The control store (training.engine.control): set by the launcher.
+    rdzv_endpoint: str = ""
+    rdzv_id: str = ""
 
 
 @record  # a worker's exception reaches the launcher's error report
 def worker_main(job: TrainJob) -> dict[str, Any] | None:
     """Entry point of each worker process started by torch.distributed.elastic."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _die_with_the_agent()
     cfg = Config.model_validate(job.config)
     topo = Topology.from_env(cfg.runtime.backend)
     # The mesh for the ranks actually started (the launcher's world size is the truth).
@@ -79,16 +84,33 @@ def worker_main(job: TrainJob) -> dict[str, Any] | None:
     torch.set_num_threads(cfg.runtime.threads_per_worker)
     _set_determinism(cfg, topo)
     job_dir = JobDir(Path(job.job_dir))
+    control = Control.connect(job.rdzv_endpoint, job.rdzv_id, cfg.runtime.collective_timeout_s)
     tracker = make_tracker(topo.is_main, job.tracking_uri, job.run_id, job_dir.journal)
     try:
         with process_group(topo, cfg.runtime.collective_timeout_s):
-            return train(cfg, topo, job, tracker)
+            return train(cfg, topo, job, tracker, control)
     except BaseException as exc:
         # Name the root cause for the launcher: the first rank to fail takes its peers
         # down with it, and elastic may report a peer's error instead.
-        record_failure(job_dir.health, topo.rank, exc)
+        record_failure(control, topo.rank, exc)
         _exit_soon(10.0)
         raise
+
+
+def _die_with_the_agent() -> None:
+    """Linux: end this worker when its agent dies. A node whose agent was killed must
+    leave the job, not keep a rank training that no agent watches or restarts."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the agent died before prctl took effect
+        os._exit(1)
 
 
 def _exit_soon(seconds: float) -> None:
@@ -312,16 +334,19 @@ def validate(cfg: Config, setup: Setup, topo: Topology) -> dict[str, float]:
         model.train(True)
 
 
-def _preempt_requested(job_dir: JobDir) -> bool:
-    """True on every rank if any rank saw the launcher's stop request."""
-    flag = torch.tensor([float(job_dir.preempt_request.exists())])
+def _preempt_requested(control: Control, topo: Topology) -> bool:
+    """True on every rank if a launcher on any node was asked to stop: rank 0 reads the
+    store, one all-reduce tells the others."""
+    flag = torch.tensor([float(topo.is_main and control.stop_requested())])
     return all_reduce_sum(flag).item() > 0
 
 
-def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any] | None:
+def train(
+    cfg: Config, topo: Topology, job: TrainJob, tracker, control: Control
+) -> dict[str, Any] | None:
     rt, job_dir = cfg.runtime, JobDir(Path(job.job_dir))
     setup = set_up(cfg, topo, Path(job.shard_dir))
-    inst = Instruments(job_dir, topo.rank)
+    inst = Instruments(job_dir, topo.rank, control)
     intervals = IntervalLog(cfg, topo, setup, tracker, inst.times)
     position, step, resumed_from = resume(setup, topo, job_dir, intervals)
     inst.times.reset()  # the first interval's clock starts with training, not set-up
@@ -362,7 +387,7 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
         from training.engine.async_loop import run_segments
 
         step, position, preempted = run_segments(
-            cfg, setup, topo, job_dir, inst, intervals, tracker, progress, save, evaluate, step
+            cfg, setup, topo, control, inst, intervals, tracker, progress, save, evaluate, step
         )
     else:
         for epoch in range(position.epoch, cfg.train.epochs):
@@ -403,7 +428,7 @@ def train(cfg: Config, topo: Topology, job: TrainJob, tracker) -> dict[str, Any]
                     evaluate(step, epoch)
                 if step % rt.control_every_steps == 0:
                     inst.collective(step)
-                    preempted = _preempt_requested(job_dir)
+                    preempted = _preempt_requested(control, topo)
                 if resumed_from and step == started_at + 1 and topo.is_main:
                     inst.resumed(step)
             if preempted:

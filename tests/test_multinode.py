@@ -1,0 +1,180 @@
+"""More than one node: one agent per node (`gradline stage train` with torchrun's launch
+flags), c10d rendezvous, the control plane in the rendezvous store.
+
+Each node runs in its own working folder with its own copy of the shards; the nodes share
+only the checkpoint location and the tracking store (which a team runs as a server).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.config import Config, update_params_file
+from training.engine.launch import free_port
+from training.models import load_model_dir
+from training.tracking import client, ensure_experiment
+
+from .conftest import REPO
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+GRADLINE = str(Path(sys.executable).parent / "gradline")
+PARAMS = {
+    "model": {"name": "mlp", "hidden": 32, "depth": 2},
+    "optim": {"lr": 0.01, "warmup_steps": 5},
+    "train": {"epochs": 3, "batch_size": 32, "deterministic": True},
+    "runtime": {
+        "world_size": 1,
+        "checkpoint_every_steps": 8,
+        "log_every_steps": 4,
+        "control_every_steps": 2,
+        "rdzv_last_call_s": 2,
+        "collective_timeout_s": 30,
+    },
+}
+
+
+class Cluster:
+    """Node folders and what the nodes share, all under one temporary folder."""
+
+    def __init__(self, base: Path, shards: Path) -> None:
+        self.base, self.shards = base, shards
+        self.checkpoints = base / "shared" / "checkpoints"
+        self.tracking_uri = f"sqlite:///{base / 'shared' / 'tracking' / 'mlflow.db'}"
+        (base / "shared" / "tracking").mkdir(parents=True)
+        # The tracking server's artifact store: every node's rank 0 writes there.
+        artifacts = (base / "shared" / "artifacts").as_uri()
+        self.experiment = ensure_experiment(self.tracking_uri, "gradline", artifacts)
+
+    def node(self, name: str, **runtime) -> Path:
+        folder = self.base / name
+        folder.mkdir()
+        shutil.copy(REPO / "dvc.yaml", folder / "dvc.yaml")
+        shutil.copy(REPO / "params.yaml", folder / "params.yaml")
+        params = {**PARAMS, "runtime": {**PARAMS["runtime"], **runtime}}
+        update_params_file(folder / "params.yaml", params, replace=frozenset({"model"}))
+        shutil.copytree(self.shards, folder / "shards")
+        return folder
+
+    def start(self, folder: Path, *flags: str, netns: str | None = None, **env):
+        command = [
+            GRADLINE,
+            *("stage", "train", "--shards", "shards", "--model", "model"),
+            *("--checkpoints", str(self.checkpoints), "--result", "result.json", *flags),
+        ]
+        if netns:
+            command = ["ip", "netns", "exec", netns, *command]
+        environ = {**os.environ, "MLFLOW_TRACKING_URI": self.tracking_uri, **env}
+        log = (folder / "node.log").open("w")
+        return subprocess.Popen(command, cwd=folder, env=environ, stdout=log, stderr=log)
+
+    def runs(self) -> list:
+        return client(self.tracking_uri).search_runs([self.experiment])
+
+
+def _node_flags(nnodes: str, endpoint: str, job: str) -> tuple[str, ...]:
+    return ("--nnodes", nnodes, "--rdzv-endpoint", endpoint, "--rdzv-id", job)
+
+
+def _wait(procs, folders, timeout: float = 200) -> None:
+    deadline = time.monotonic() + timeout
+    for proc, folder in zip(procs, folders, strict=True):
+        try:
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise AssertionError((folder / "node.log").read_text()[-3000:]) from None
+        assert proc.returncode == 0, (folder / "node.log").read_text()[-3000:]
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    model, _ = load_model_dir(model_dir)
+    return model.state_dict()
+
+
+def _reference(cluster: Cluster) -> dict[str, torch.Tensor]:
+    """One node with two ranks, the same job otherwise."""
+    folder = cluster.node("one-node", world_size=2)
+    proc = cluster.start(folder)
+    _wait([proc], [folder])
+    return _weights(folder / "model")
+
+
+def _identical(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _one_value_per_step(cluster: Cluster, run_id: str) -> None:
+    history = client(cluster.tracking_uri).get_metric_history(run_id, "train_loss")
+    steps = [m.step for m in history]
+    assert steps == sorted(set(steps)) == list(range(1, len(steps) + 1)), steps
+
+
+def test_two_nodes_of_one_rank_equal_one_node_of_two(tiny_shards, tmp_path) -> None:
+    cluster = Cluster(tmp_path, tiny_shards)
+    expected = _reference(cluster)
+    flags = _node_flags("2", f"127.0.0.1:{free_port()}", "two-nodes")
+    folders = [cluster.node("node-a"), cluster.node("node-b")]
+    procs = [cluster.start(folder, *flags) for folder in folders]
+    _wait(procs, folders)
+    finished = [f for f in folders if (f / "model").is_dir()]
+    assert len(finished) == 1  # the node that ran rank 0 records the model
+    assert _identical(_weights(finished[0] / "model"), expected)
+    runs = [r for r in cluster.runs() if r.data.tags.get("gradline.runtime.nnodes") == "2"]
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    _one_value_per_step(cluster, runs[0].info.run_id)
+    assert not any(cluster.checkpoints.rglob("rank*.json"))  # no heartbeat files
+
+
+def test_losing_a_node_the_job_goes_on_with_the_other(tiny_shards, tmp_path) -> None:
+    """nnodes 1:2: SIGKILL to the second node's agent (its workers die with it); the first
+    node's agent restarts alone from the latest checkpoint and finishes the job."""
+    cluster = Cluster(tmp_path, tiny_shards)
+    endpoint = f"127.0.0.1:{free_port()}"
+    flags = _node_flags("1:2", endpoint, "elastic")
+    first, second = cluster.node("node-a"), cluster.node("node-b")
+    slow = {"GRADLINE_FAULT": "slow:rank=-1:step=0:seconds=0.1"}
+    proc_a = cluster.start(first, *flags, **slow)
+    _wait_for_port(endpoint, proc_a)  # the first node serves the rendezvous store
+    proc_b = cluster.start(second, *flags, **slow)
+    deadline = time.monotonic() + 150
+    while not list(cluster.checkpoints.glob("*/step-????????")):
+        assert proc_a.poll() is None and time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.2)
+    proc_b.send_signal(signal.SIGKILL)
+    proc_b.wait(timeout=30)
+    _wait([proc_a], [first])
+    assert (first / "model").is_dir()
+    log = (first / "node.log").read_text()
+    runs = cluster.runs()
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED", log[-2000:]
+    _one_value_per_step(cluster, runs[0].info.run_id)
+
+
+def _wait_for_port(endpoint: str, proc, timeout: float = 60) -> None:
+    import socket
+
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the first node exited"
+        with socket.socket() as sock:
+            if sock.connect_ex((host, int(port))) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on {endpoint}")
+
+
+def test_config_refuses_nodes_without_a_rendezvous() -> None:
+    with pytest.raises(ValueError, match=r"needs runtime\.rdzv_endpoint"):
+        Config.model_validate({"runtime": {"nnodes": "1:2"}})
