@@ -102,12 +102,17 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+_reference_weights: list[dict[str, torch.Tensor]] = []
+
+
 def _reference(cluster: Cluster) -> dict[str, torch.Tensor]:
-    """One node with two ranks, the same job otherwise."""
-    folder = cluster.node("one-node", world_size=2)
-    proc = cluster.start(folder)
-    _wait([proc], [folder])
-    return _weights(folder / "model")
+    """One node with two ranks, the same job otherwise (run once per session)."""
+    if not _reference_weights:
+        folder = cluster.node("one-node", world_size=2)
+        proc = cluster.start(folder)
+        _wait([proc], [folder])
+        _reference_weights.append(_weights(folder / "model"))
+    return _reference_weights[0]
 
 
 def _identical(a, b) -> bool:
@@ -127,6 +132,59 @@ def test_two_nodes_of_one_rank_equal_one_node_of_two(tiny_shards, tmp_path) -> N
     folders = [cluster.node("node-a"), cluster.node("node-b")]
     procs = [cluster.start(folder, *flags) for folder in folders]
     _wait(procs, folders)
+    _check_two_node_job(cluster, folders, expected)
+
+
+def test_two_nodes_in_two_network_namespaces(tiny_shards, tmp_path) -> None:
+    """The same job across a veth pair between two network namespaces: each node sees
+    only its own address and the other's, as two machines on one link would."""
+    spaces = _namespaces(f"gl{os.getpid() % 10000}")
+    try:
+        cluster = Cluster(tmp_path, tiny_shards)
+        expected = _reference(cluster)
+        endpoint = f"{spaces[0][2]}:29531"
+        folders = [cluster.node("node-a"), cluster.node("node-b")]
+        procs = []
+        for folder, (netns, device, address) in zip(folders, spaces, strict=True):
+            flags = (*_node_flags("2", endpoint, "netns"), "--local-addr", address)
+            procs.append(cluster.start(folder, *flags, netns=netns, GLOO_SOCKET_IFNAME=device))
+        _wait(procs, folders)
+        _check_two_node_job(cluster, folders, expected)
+    finally:
+        for netns, _, _ in spaces:
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+
+
+def _namespaces(tag: str) -> list[tuple[str, str, str]]:
+    """Two network namespaces joined by a veth pair: (name, device, address) each."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("network namespaces need root and iproute2's `ip`")
+    spaces = [(f"{tag}a", f"{tag}va", "10.231.7.1"), (f"{tag}b", f"{tag}vb", "10.231.7.2")]
+    (ns_a, dev_a, _), (ns_b, dev_b, _) = spaces
+    commands = [
+        ["netns", "add", ns_a],
+        ["netns", "add", ns_b],
+        ["link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", dev_b, "netns", ns_b],
+    ]
+    for netns, device, address in spaces:
+        commands += [
+            ["-n", netns, "addr", "add", f"{address}/24", "dev", device],
+            ["-n", netns, "link", "set", device, "up"],
+            ["-n", netns, "link", "set", "lo", "up"],
+        ]
+    for command in commands:
+        made = subprocess.run(["ip", *command], capture_output=True, text=True)
+        if made.returncode != 0:
+            for netns, _, _ in spaces:
+                subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+            pytest.skip(
+                f"cannot make network namespaces here: ip {' '.join(command)}: "
+                f"{made.stderr.strip()}"
+            )
+    return spaces
+
+
+def _check_two_node_job(cluster: Cluster, folders: list[Path], expected) -> None:
     finished = [f for f in folders if (f / "model").is_dir()]
     assert len(finished) == 1  # the node that ran rank 0 records the model
     assert _identical(_weights(finished[0] / "model"), expected)
