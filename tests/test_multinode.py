@@ -192,6 +192,8 @@ def _check_two_node_job(cluster: Cluster, folders: list[Path], expected) -> None
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     _one_value_per_step(cluster, runs[0].info.run_id)
     assert not any(cluster.checkpoints.rglob("rank*.json"))  # no heartbeat files
+    metrics = runs[0].data.metrics  # each node's system metrics, named by node
+    assert {"system_cpu_percent/node0", "system_cpu_percent/node1"} <= metrics.keys()
 
 
 def test_losing_a_node_the_job_goes_on_with_the_other(tiny_shards, tmp_path) -> None:

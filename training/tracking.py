@@ -318,6 +318,15 @@ def make_tracker(is_main: bool, tracking_uri: str | None, run_id: str | None, jo
     return NullTracker()
 
 
+SYSTEM_METRICS = (
+    "system_cpu_percent",
+    "system_memory_percent",
+    "process_rss_gb",
+    "gpu_memory_allocated_gb",
+    "gpu_max_memory_allocated_gb",
+)
+
+
 def system_metrics() -> dict[str, float]:
     """CPU and memory of this machine and process; GPU memory when CUDA is in use."""
     import psutil

@@ -4,13 +4,15 @@ by rank 0 through the tracker, stragglers named; validation metrics; the final r
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from training.engine.timing import StepTimes, find_stragglers, gather_times, interval_metrics
 from training.engine.topology import Topology, reduce_over_shares
-from training.tracking import system_metrics
+from training.tracking import SYSTEM_METRICS, system_metrics
 
 log = logging.getLogger("gradline.train")
 
@@ -65,8 +67,7 @@ class IntervalLog:
             seen["worst_ratio"] = max(seen["worst_ratio"], ratio)
             if topo.is_main:
                 log.warning("straggler: rank %d is busy %.2fx the median rank", rank, ratio)
-        if topo.is_main:
-            metrics.update(system_metrics())
+        metrics.update(gather_node_metrics(topo))
         self.tracker.log_metrics(metrics, step)
         self.last.update(train_loss=losses[-1].item(), **metrics)
         self.losses = []
@@ -102,3 +103,24 @@ class IntervalLog:
             "comm_bytes_per_step": self.totals["comm_bytes_total"]
             / max(self.totals["steps_counted"], 1.0),
         }
+
+
+def gather_node_metrics(topo) -> dict[str, float]:
+    """Every node's CPU, memory (and GPU memory), measured by its first local rank and
+    named by node: `system_cpu_percent/node1` (one all-gather per interval)."""
+    mine = torch.full((2 + len(SYSTEM_METRICS),), float("nan"), dtype=torch.float64)
+    if topo.local_rank == 0:
+        found = system_metrics()
+        # torch.distributed.elastic numbers the nodes of each rendezvous round.
+        mine[0] = float(os.environ.get("GROUP_RANK", "0"))
+        mine[1:] = torch.tensor([1.0] + [found.get(k, float("nan")) for k in SYSTEM_METRICS])
+    rows = [torch.zeros_like(mine) for _ in range(topo.world_size)]
+    dist.all_gather(rows, mine)
+    metrics = {}
+    for row in rows:
+        if row[1] != 1.0:  # not a node's first rank
+            continue
+        for key, value in zip(SYSTEM_METRICS, row[2:].tolist(), strict=True):
+            if value == value:  # NaN: not measured on that node (no GPU)
+                metrics[f"{key}/node{int(row[0])}"] = value
+    return metrics
