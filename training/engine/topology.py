@@ -99,31 +99,15 @@ def process_group(topo: Topology, timeout_s: float = 300.0) -> Iterator[None]:
         backend=backend,
         rank=topo.rank,
         world_size=topo.world_size,
+        # env:// rendezvous on the store rank 0 serves at MASTER_ADDR:MASTER_PORT, a new
+        # one every rendezvous round (launch.py turns torch's shared agent store off).
         timeout=timeout,
-        store=_attempt_store(topo, timeout),
     )
     yield
     # Only on success. After an error, a graceful destroy can wait on a peer that is
     # itself blocked in a collective waiting for us; exiting instead closes our sockets
     # and the peers fail at once ("connection closed by peer"), so the agent restarts.
     dist.destroy_process_group()
-
-
-def _attempt_store(topo: Topology, timeout: timedelta) -> dist.Store | None:
-    """Under torch.distributed.elastic, the agent's store outlives a restart, and so do the
-    keys the previous attempt's ranks published (their gloo addresses): a restarted rank
-    could read a dead peer's address. A prefix per attempt keeps every attempt apart."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None  # plain env:// rendezvous
-    store = dist.TCPStore(
-        host_name=os.environ["MASTER_ADDR"],
-        port=int(os.environ["MASTER_PORT"]),
-        world_size=topo.world_size,
-        is_master=False,
-        timeout=timeout,
-    )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"gradline/attempt-{attempt}", store)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
