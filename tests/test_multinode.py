@@ -20,7 +20,9 @@ import torch
 
 from training.config import Config, update_params_file
 from training.engine.launch import free_port
+from training.errors import ConfigError
 from training.models import load_model_dir
+from training.runs import check_checkpoint_location
 from training.tracking import client, ensure_experiment
 
 from .conftest import REPO
@@ -238,3 +240,9 @@ def _wait_for_port(endpoint: str, proc, timeout: float = 60) -> None:
 def test_config_refuses_nodes_without_a_rendezvous() -> None:
     with pytest.raises(ValueError, match=r"needs runtime\.rdzv_endpoint"):
         Config.model_validate({"runtime": {"nnodes": "1:2"}})
+
+
+def test_an_object_store_url_is_refused_as_the_checkpoint_location() -> None:
+    with pytest.raises(ConfigError, match=r"s3:// URL, not a checkpoint location"):
+        check_checkpoint_location(Path("s3://bucket/checkpoints"))
+    check_checkpoint_location(Path("/mnt/shared/checkpoints"))

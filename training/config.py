@@ -402,6 +402,11 @@ class OrchestrateConfig(_Section):
     )
     stage_retries: int = Field(2, ge=0, description="retries of a stage that crashed")
     retry_delay_s: float = Field(5.0, ge=0.0)
+    train_pool: str = Field(
+        "",
+        description="Prefect work pool that runs the train stage (its `gradline-train` "
+        "deployment, see `gradline deploy-train`); empty: train on this machine",
+    )
     mlflow_ui_url: str = Field(
         "http://127.0.0.1:5000",
         description="MLflow UI for links when the tracking store is local (`gradline ui`)",

@@ -13,13 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from training.atomic import write_json
 from training.config import UPDATE_KEYS, Config
-from training.errors import GradlineError
+from training.errors import ConfigError, GradlineError
 from training.project import JobDir
 from training.tracking import (
     FLOW_RUN_ENV,
@@ -139,6 +140,19 @@ class CheckpointsNotShared(GradlineError):
     is not shared."""
 
     exit_code = 2
+
+
+def check_checkpoint_location(checkpoints: Path) -> None:
+    """The job folder needs a filesystem: checkpoints are committed by renaming their
+    folder and the tracking journal is appended to, which object stores cannot do."""
+    scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]+):/", str(checkpoints))
+    if scheme:
+        raise ConfigError(
+            f"--checkpoints is a {scheme.group(1)}:// URL, not a checkpoint location gradline "
+            "can use (checkpoints are committed by renaming their folder): give a filesystem "
+            "path every node mounts (NFS, Lustre, a ReadWriteMany volume, or the bucket "
+            "mounted with a FUSE driver)"
+        )
 
 
 def open_shared_job_run(control, checkpoints: Path, tracking_uri: str, open_run) -> JobRun:

@@ -56,11 +56,18 @@ def train_stage(
     from training.engine.launch import Preempted, launch_workers, open_control
     from training.engine.loop import TrainJob
     from training.models import check_buildable
-    from training.runs import mark_complete, open_job_run, open_shared_job_run, set_status
+    from training.runs import (
+        check_checkpoint_location,
+        mark_complete,
+        open_job_run,
+        open_shared_job_run,
+        set_status,
+    )
     from training.serving import log_pyfunc_model
 
     project = Project(root)
     cfg = project.config(overrides)
+    check_checkpoint_location(checkpoints)
     manifest = read_manifest(shards)
     # A model that cannot be built for this data fails here, as bad input (exit 2),
     # before a run is created or a worker starts.
