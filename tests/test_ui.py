@@ -1,21 +1,36 @@
-"""`gradline ui`: both servers answer on 127.0.0.1 and Ctrl-C stops both."""
+"""`gradline ui`: both servers answer, their UIs work on any port (checked in a real
+browser), `--auth` refuses strangers, and Ctrl-C, SIGTERM or SIGHUP stops every process."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import http.client
+import json
 import os
+import re
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
+
+from flows.ui import UiOptions, auth_environment, serve_uis
+from training.errors import TrackingError
 
 from .conftest import copy_project
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+BIN = Path(sys.executable).parent
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _free_port() -> int:
@@ -37,46 +52,282 @@ def _listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_ui_serves_both_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+@dataclass
+class RunningUi:
+    proc: subprocess.Popen
+    mlflow_port: int
+    prefect_port: int
+    log: Path
+    family: list[psutil.Process]  # every server process, taken once both answered
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def mlflow_processes(self) -> list[psutil.Process]:
+        server = next(p for p in self.family if "mlflow" in " ".join(p.cmdline()))
+        return [server, *server.children(recursive=True)]
+
+
+@contextlib.contextmanager
+def _gradline_ui(tmp_path: Path, *args: str, env: dict | None = None) -> Iterator[RunningUi]:
+    """`gradline ui` on free (non-default) ports, once both servers answer."""
     root = copy_project(tmp_path / "gradline")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    clean.update(PREFECT_HOME=str(tmp_path / "prefect-home"), **(env or {}))
     mlflow_port, prefect_port = _free_port(), _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "gradline"),
-            "ui",
-            "--mlflow-port",
-            str(mlflow_port),
-            "--prefect-port",
-            str(prefect_port),
-        ],
-        cwd=root,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    ports = ["--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port)]
+    log = tmp_path / "ui.log"
+    with log.open("w") as out:  # a file, not a pipe: chatty servers never block on it
+        proc = subprocess.Popen(
+            [str(BIN / "gradline"), "ui", *ports, *args],
+            cwd=root,
+            env=clean,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # SIGINT at its default, as in a terminal
+        )
+    ui = RunningUi(proc, mlflow_port, prefect_port, log, [])
     try:
-        urls = [
-            f"http://127.0.0.1:{mlflow_port}/health",
-            f"http://127.0.0.1:{prefect_port}/api/health",
-        ]
-        deadline = time.monotonic() + 150
-        while not all(_answers(u) for u in urls):
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the UIs did not come up"
-            time.sleep(1)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
-        output, _ = proc.communicate(timeout=60)
+        _wait_until_up(ui)
+        ui.family = _children(proc.pid)
+        yield ui
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output
-    assert f"MLflow UI:  http://127.0.0.1:{mlflow_port}" in output
-    assert f"Prefect UI: http://127.0.0.1:{prefect_port}" in output
+        _stop_for_good(ui)
+
+
+def _wait_until_up(ui: RunningUi) -> None:
+    urls = [
+        f"http://127.0.0.1:{ui.mlflow_port}/health",
+        f"http://127.0.0.1:{ui.prefect_port}/api/health",
+    ]
+    deadline = time.monotonic() + 150
+    while not all(_answers(u) for u in urls):
+        assert ui.proc.poll() is None, ui.output()
+        assert time.monotonic() < deadline, f"the UIs did not come up:\n{ui.output()}"
+        time.sleep(1)
+
+
+def _stop_for_good(ui: RunningUi) -> None:
+    """Teardown after a failed test too: nothing of this test may outlive it."""
+    family = ui.family or _children(ui.proc.pid)
+    if ui.proc.poll() is None:
+        os.kill(ui.proc.pid, signal.SIGTERM)
+        try:
+            ui.proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            ui.proc.kill()
+            ui.proc.wait()
+    for proc in family:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _stop_and_check(ui: RunningUi, sig: signal.Signals, *, group: bool = False) -> None:
+    """Send `sig` (to the terminal's process group for Ctrl-C); then `gradline ui` exits 0,
+    no server process is left and both ports are free."""
+    assert ui.family, "no server processes were seen"
+    (os.killpg if group else os.kill)(ui.proc.pid, sig)
+    assert ui.proc.wait(timeout=60) == 0, ui.output()
+    left = [p for p in ui.family if _alive(p)]
+    assert not left, f"still running after {sig.name}: {[p.cmdline() for p in left]}"
     deadline = time.monotonic() + 15
-    while _listening(mlflow_port) or _listening(prefect_port):
-        assert time.monotonic() < deadline, "a UI server still listens after Ctrl-C"
+    while _listening(ui.mlflow_port) or _listening(ui.prefect_port):
+        assert time.monotonic() < deadline, f"a UI server still listens after {sig.name}"
         time.sleep(0.5)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_ui_on_other_ports_with_one_mlflow_worker_stops_on_ctrl_c(tmp_path: Path) -> None:
+    with _gradline_ui(tmp_path) as ui:
+        settings = _ui_settings(ui.prefect_port)
+        assert settings["api_url"] == f"http://127.0.0.1:{ui.prefect_port}/api"
+        # `mlflow server` and one uvicorn worker; MLflow's defaults started ~15 processes.
+        assert len(ui.mlflow_processes()) <= 3, [p.cmdline() for p in ui.mlflow_processes()]
+        _stop_and_check(ui, signal.SIGINT, group=True)  # what Ctrl-C in a terminal sends
+    assert f"MLflow UI:  http://127.0.0.1:{ui.mlflow_port}" in ui.output()
+    assert f"Prefect UI: http://127.0.0.1:{ui.prefect_port}" in ui.output()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_ui_auth_refuses_strangers_and_sigterm_stops_all(tmp_path: Path) -> None:
+    user, password = "ada", secrets.token_urlsafe(16)
+    creds = {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
+    with _gradline_ui(tmp_path, "--auth", env=creds) as ui:
+        path = "/api/2.0/mlflow/experiments/search?max_results=1"
+        assert _status(ui.mlflow_port, path) == 401
+        assert _status(ui.mlflow_port, path, auth=(user, "wrong")) == 401
+        assert _status(ui.mlflow_port, path, auth=(user, password)) == 200
+        assert _status(ui.mlflow_port, path, auth=(user, password), host="evil.example") == 403
+        _stop_and_check(ui, signal.SIGTERM)  # what systemd and `timeout` send
+    assert password not in ui.output()
+    assert password not in (tmp_path / "gradline" / "mlflow" / "basic_auth.ini").read_text()
+    assert f"MLFLOW_TRACKING_URI=http://127.0.0.1:{ui.mlflow_port}" in ui.output()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_stop_signals_end_servers_and_workers_in_their_own_sessions(tmp_path, sig) -> None:
+    """The real servers start in ~25 s; stand-ins whose workers left the server's session
+    (and hold its port) show in ~2 s that every process is stopped, for each signal."""
+    ports = [_free_port(), _free_port()]
+    log = tmp_path / "ui.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", STAND_IN_UI, *map(str, ports)],
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    ui = RunningUi(proc, *ports, log=log, family=[])
+    try:
+        deadline = time.monotonic() + 30
+        while len(ui.family) < 4 or not all(map(_listening, ports)):
+            assert proc.poll() is None and time.monotonic() < deadline, ui.output()
+            time.sleep(0.2)
+            ui.family = _children(proc.pid)
+        _stop_and_check(ui, sig)
+    finally:
+        _stop_for_good(ui)
+
+
+# Each stand-in server binds its port, then starts a worker in a session of its own that
+# holds the socket, as uvicorn's workers hold the port after their parent is gone.
+STAND_IN_SERVER = """
+import socket, subprocess, sys, time
+sock = socket.socket()
+sock.bind(("127.0.0.1", int(sys.argv[1])))
+sock.listen()
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                 pass_fds=[sock.fileno()], start_new_session=True)
+time.sleep(120)
+"""
+STAND_IN_UI = f"""
+import sys
+from pathlib import Path
+import flows.ui as ui
+server = [sys.executable, "-c", {STAND_IN_SERVER!r}]
+ui.mlflow_server = lambda root, options: ([*server, sys.argv[1]], None)
+ui.prefect_server = lambda options: ([*server, sys.argv[2]], None)
+sys.exit(ui.serve_uis(Path("."), ui.UiOptions()))
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def test_ui_on_other_ports_works_in_a_browser(tmp_path: Path) -> None:
+    with _gradline_ui(tmp_path) as ui:
+        flow_run_id = _run_a_flow_with_two_tasks(ui.prefect_port, tmp_path)
+        v2_base = _ui_settings(ui.prefect_port).get("v2_base_url") or ""
+        page = f"http://127.0.0.1:{ui.prefect_port}{v2_base}/runs/flow-run/{flow_run_id}"
+        dom = _render(f"{page}?tab=TaskRuns", tmp_path)
+        assert "Can't connect to Server API" not in dom
+        assert re.search(r">add_one-\w+<", dom) and re.search(r">double-\w+<", dom), dom[-3000:]
+        dom = _render(f"http://127.0.0.1:{ui.mlflow_port}/#/experiments", tmp_path)
+        assert ">Default<" in dom, dom[-3000:]  # the experiments list, rendered by its JS
+
+
+def test_ui_refuses_a_network_address_without_auth(tmp_path: Path) -> None:
+    with pytest.raises(TrackingError, match="--auth"):
+        serve_uis(tmp_path, UiOptions(host="0.0.0.0"))
+
+
+def test_ui_auth_needs_an_admin_password_on_first_start(tmp_path, monkeypatch) -> None:
+    for name in ("MLFLOW_AUTH_CONFIG_PATH", "MLFLOW_AUTH_ADMIN_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    with pytest.raises(TrackingError, match="MLFLOW_TRACKING_PASSWORD"):
+        auth_environment(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "pw-from-env")
+    env = auth_environment(tmp_path)
+    assert env["MLFLOW_AUTH_ADMIN_PASSWORD"] == "pw-from-env"
+    assert "pw-from-env" not in Path(env["MLFLOW_AUTH_CONFIG_PATH"]).read_text()
+
+
+def _ui_settings(prefect_port: int) -> dict:
+    """What the Prefect UI's JavaScript fetches first to learn where its API is."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{prefect_port}/ui-settings", timeout=10) as r:
+        return json.load(r)
+
+
+def _status(port: int, path: str, auth: tuple[str, str] | None = None, host: str | None = None):
+    headers = {"Host": host or f"127.0.0.1:{port}"}
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(":".join(auth).encode()).decode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path, headers=headers)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+FLOW = """
+from prefect import flow, task
+
+@task
+def add_one(x):
+    return x + 1
+
+@task
+def double(x):
+    return x * 2
+
+@flow(name="ui-check")
+def ui_check():
+    return double(add_one(1))
+
+print("FLOW_RUN", ui_check(return_state=True).state_details.flow_run_id)
+"""
+
+
+def _run_a_flow_with_two_tasks(prefect_port: int, tmp_path: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api",
+        PREFECT_HOME=str(tmp_path / "client-home"),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", FLOW], env=env, capture_output=True, text=True, timeout=90
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return re.search(r"FLOW_RUN (\S+)", done.stdout).group(1)
+
+
+def _render(url: str, tmp_path: Path) -> str:
+    """The DOM a real headless Chromium builds for `url` after its scripts ran."""
+    profile = tmp_path / f"chromium-{secrets.token_hex(4)}"
+    cmd = [
+        CHROMIUM,
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=15000",
+        "--dump-dom",
+        url,
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
