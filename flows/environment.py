@@ -1,8 +1,10 @@
-"""Defaults that make the embedded stack work offline; a user's own settings win."""
+"""The environment every gradline command starts from: defaults that make the embedded
+stack work offline (a user's own settings win), and tracking credentials kept out of URIs."""
 
 from __future__ import annotations
 
 import os
+import urllib.parse
 
 OFFLINE_DEFAULTS = {
     # Telemetry calls fail (and log errors) without network.
@@ -20,3 +22,21 @@ OFFLINE_DEFAULTS = {
 def apply_offline_defaults() -> None:
     for key, value in OFFLINE_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    move_uri_credentials(os.environ)
+
+
+def move_uri_credentials(environ) -> None:
+    """`MLFLOW_TRACKING_URI=http://user:pw@host` works with MLflow, but MLflow itself prints
+    that URI in its "View run at" links, and gradline's stages pass it on. Move the user
+    and password into MLFLOW_TRACKING_USERNAME/PASSWORD (which win over the URI's, in
+    MLflow too, when both are set) and leave the URI without them, before anything runs."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
+        parts = urllib.parse.urlsplit(environ.get(name, ""))
+        if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+            continue
+        if parts.username:
+            environ.setdefault("MLFLOW_TRACKING_USERNAME", urllib.parse.unquote(parts.username))
+        if parts.password:
+            environ.setdefault("MLFLOW_TRACKING_PASSWORD", urllib.parse.unquote(parts.password))
+        host = parts.netloc.rsplit("@", 1)[1]
+        environ[name] = urllib.parse.urlunsplit(parts._replace(netloc=host))

@@ -2,6 +2,8 @@
 
 params -> (nothing changed? skip) -> ingest -> push data -> shard -> [device quota] train
 -> evaluate -> register -> summary. On failure the summary names the step and the cause.
+With `orchestrate.train_pool` set, train runs on that Prefect work pool instead (the
+GPU machine's own quota), and its outputs come back through the DVC remote.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.states import Completed
 
-from tasks.dvc_stages import push_data, reproduce_stage, stale_stages
+from flows.train_pool import train_on_pool
+from tasks.dvc_stages import push_data, run_stage, stale_stages
 from tasks.quota import check_quota, device_slots
 from tasks.registry import (
     RunSummary,
@@ -30,19 +33,10 @@ def apply_params(root: str, overrides: list[str]) -> Config:
     """Validate params.yaml + overrides and record the overrides in params.yaml. A job
     the device quota can never run is refused here, before anything is written."""
     params = Project(Path(root)).params
-    check_quota(load_config(params, overrides))
+    cfg = load_config(params, overrides)
+    if not cfg.orchestrate.train_pool:  # else the pool's machine checks its own quota
+        check_quota(cfg)
     return write_overrides(params, overrides)
-
-
-def _run_stage(cfg: Config, root: str, name: str, force: bool) -> bool:
-    """The stage as a task named after it, retried on crashes (never on bad input)."""
-    stage = reproduce_stage.with_options(
-        name=name,
-        task_run_name=name,
-        retries=cfg.orchestrate.stage_retries,
-        retry_delay_seconds=cfg.orchestrate.retry_delay_s,
-    )
-    return stage(root, name, force)
 
 
 @flow(name="gradline")
@@ -64,18 +58,21 @@ def pipeline(
                 publish_summary(latest)
                 return Completed(name="Skipped", message=latest.headline, data=latest)
         step = "ingest"
-        _run_stage(cfg, root, "ingest", force)
+        run_stage(cfg, root, "ingest", force)
         step = "push-data"
         push_data(root)
         step = "shard"
-        _run_stage(cfg, root, "shard", force)
+        run_stage(cfg, root, "shard", force)
         step = "train"
         # Devices are held only when training will run: DVC skips an up-to-date stage.
         will_train = force or stale_stages(Path(root), "train")
-        with device_slots(cfg) if will_train else contextlib.nullcontext():
-            _run_stage(cfg, root, "train", force)
+        if will_train and cfg.orchestrate.train_pool:
+            train_on_pool(cfg, root, force)
+        else:
+            with device_slots(cfg) if will_train else contextlib.nullcontext():
+                run_stage(cfg, root, "train", force)
         step = "evaluate"
-        _run_stage(cfg, root, "evaluate", force)
+        run_stage(cfg, root, "evaluate", force)
         step = "register"
         summary = register_model(root, cfg)
     except Exception as exc:

@@ -15,13 +15,19 @@ import sys
 import tempfile
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import yaml
 from prefect import get_run_logger, task
 from prefect.runtime import flow_run
 
+from training.atomic import atomic_file
 from training.errors import ERROR_FILE_ENV, GradlineError, is_retryable_exit
 from training.tracking import FLOW_RUN_ENV
 from training.versioning import data_version
+
+if TYPE_CHECKING:
+    from training.config import Config
 
 # DVC's hints about git and pushing: the flow acts on them itself.
 _HINTS = ("git add", "To track the changes", "To enable auto staging", "autostage", "dvc push")
@@ -36,13 +42,14 @@ class StageFailed(GradlineError):
         self.retryable = retryable
 
 
-def _env() -> dict[str, str]:
+def _env(record_as: str = "") -> dict[str, str]:
     env = dict(os.environ)
     # Stage commands call `gradline`: find it beside this interpreter even if the
     # virtual environment is not activated.
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    if flow_run.id:
-        env[FLOW_RUN_ENV] = str(flow_run.id)
+    # A stage run on a work pool for another flow run is recorded as that flow run's.
+    if run_id := record_as or flow_run.id:
+        env[FLOW_RUN_ENV] = str(run_id)
     return env
 
 
@@ -73,10 +80,11 @@ def _stage_failure(args: tuple[str, ...], code: int, record_file: Path, tail: st
     return StageFailed(f"`{command}` failed ({code}):\n{tail}", code, retryable=True)
 
 
-def run_dvc(root: Path, *args: str) -> str:
-    """Run a DVC command, streaming its output into the task log; return that output."""
+def run_dvc(root: Path, *args: str, record_as: str = "") -> str:
+    """Run a DVC command, streaming its output into the task log; return that output.
+    record_as: the flow run the stage's MLflow run is tagged with (default: this one)."""
     logger = get_run_logger()
-    env = _env()
+    env = _env(record_as)
     # On a terminal the stage's stderr (progress bars, errors) goes straight to it.
     stderr = None if sys.stderr.isatty() else subprocess.STDOUT
     tail: deque[str] = deque(maxlen=60)
@@ -112,13 +120,24 @@ def retry_unless_user_error(task, task_run, state) -> bool:
 
 
 @task(name="dvc-repro", task_run_name="dvc-repro", retry_condition_fn=retry_unless_user_error)
-def reproduce_stage(root: str, stage: str, force: bool = False) -> bool:
+def reproduce_stage(root: str, stage: str, force: bool = False, record_as: str = "") -> bool:
     """Run one stage if DVC finds it stale (or always, forced); True when it ran."""
     args = ["repro", "--single-item", stage]
     if force:
         args.append("--force")
-    output = run_dvc(Path(root), *args)
+    output = run_dvc(Path(root), *args, record_as=record_as)
     return "didn't change, skipping" not in output
+
+
+def run_stage(cfg: Config, root: str, name: str, force: bool, record_as: str = "") -> bool:
+    """The stage as a task named after it, retried on crashes (never on bad input)."""
+    stage = reproduce_stage.with_options(
+        name=name,
+        task_run_name=name,
+        retries=cfg.orchestrate.stage_retries,
+        retry_delay_seconds=cfg.orchestrate.retry_delay_s,
+    )
+    return stage(root, name, force, record_as)
 
 
 @task(name="dvc-push-data", task_run_name="dvc-push-data", retries=2, retry_delay_seconds=2)
@@ -126,6 +145,37 @@ def push_data(root: str) -> str:
     """Push the ingested snapshot to the DVC remote; return its data version (md5)."""
     run_dvc(Path(root), "push", "ingest")
     return data_version(Path(root))
+
+
+@task(name="dvc-push", task_run_name="dvc-push-{stage}", retries=2, retry_delay_seconds=2)
+def push_outputs(root: str, stage: str) -> None:
+    """Push a stage's cached outputs (as dvc.lock records them) to the DVC remote."""
+    run_dvc(Path(root), "push", stage)
+
+
+@task(name="dvc-pull", task_run_name="dvc-pull-{stage}", retries=2, retry_delay_seconds=2)
+def pull_outputs(root: str, stage: str) -> None:
+    """Fetch a stage's outputs (as dvc.lock records them) from the DVC remote, check out."""
+    run_dvc(Path(root), "pull", stage)
+
+
+def lock_entry(root: Path, stage: str) -> dict[str, Any]:
+    """The stage's entry in dvc.lock: the hashes of its deps, params and outputs."""
+    lock = root / "dvc.lock"
+    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}) if lock.is_file() else {}
+    if stage not in stages:
+        raise StageFailed(f"{lock} has no entry for stage {stage!r}: it never ran here", 1, False)
+    return stages[stage]
+
+
+def write_lock_entry(root: Path, stage: str, entry: dict[str, Any]) -> None:
+    """Record a stage run elsewhere in this checkout's dvc.lock, as `dvc repro` would."""
+    lock = root / "dvc.lock"
+    document = (yaml.safe_load(lock.read_text()) if lock.is_file() else None) or {}
+    document.setdefault("schema", "2.0")
+    document.setdefault("stages", {})[stage] = entry
+    with atomic_file(lock, "w") as handle:
+        yaml.safe_dump(document, handle, sort_keys=False)
 
 
 def stale_stages(root: Path, *targets: str) -> dict:

@@ -70,7 +70,7 @@ def _summarize(cfg: Config, root: Path, run_id: str, status: str, verdict: str =
     """Build the summary from what MLflow recorded for `run_id`."""
     from training.lineage import model_version_url, run_url, ui_base
     from training.registry import version_of_run
-    from training.tracking import TAG_DATA_VERSION, client, default_tracking_uri
+    from training.tracking import TAG_DATA_VERSION, client, default_tracking_uri, redact_uri
 
     tracking_uri = default_tracking_uri(root)
     mlflow_client = client(tracking_uri)
@@ -84,7 +84,7 @@ def _summarize(cfg: Config, root: Path, run_id: str, status: str, verdict: str =
         run_id=run_id,
         run_url=run_url(base, run.info.experiment_id, run_id),
         experiment=cfg.registry.experiment,
-        tracking_uri=tracking_uri,
+        tracking_uri=redact_uri(tracking_uri),  # printed and published
         model_name=name,
         version=int(version.version),
         version_url=model_version_url(base, name, int(version.version)),

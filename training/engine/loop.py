@@ -106,10 +106,11 @@ def _die_with_the_agent() -> None:
 
     if sys.platform != "linux":
         return
+    agent = os.getppid()  # may be 1 itself: the agent is PID 1 in many containers
     pr_set_pdeathsig = 1
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the agent died before prctl took effect
+    if os.getppid() != agent:  # the agent died before prctl took effect
         os._exit(1)
 
 
