@@ -50,6 +50,9 @@ class Registration:
     verdict: str
 
 
+NO_CHAMPION_CODES = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "PERMISSION_DENIED")
+
+
 def _champion_score(
     mlflow_client, model_name: str, metric: str, test_digest: str, rescore
 ) -> tuple[str | None, float | None, str | None]:
@@ -58,7 +61,11 @@ def _champion_score(
 
     try:
         champion = mlflow_client.get_model_version_by_alias(model_name, CHAMPION)
-    except MlflowException:
+    except MlflowException as exc:
+        # No such model or alias yet; an auth server answers "permission denied" for a
+        # model that does not exist. Anything else (the server is down) is an error.
+        if exc.error_code not in NO_CHAMPION_CODES:
+            raise
         return None, None, None
     run = mlflow_client.get_run(champion.run_id)
     if run.data.tags.get(TAG_TEST_DIGEST) == test_digest and metric in run.data.metrics:

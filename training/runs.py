@@ -10,6 +10,7 @@ checkpoint instead of starting a second one.
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import json
 import os
@@ -81,6 +82,8 @@ def open_job_run(
         tags[TAG_GIT_DIRTY] = str(commit[1]).lower()
     if flow_run := os.environ.get(FLOW_RUN_ENV):
         tags[TAG_FLOW_RUN] = flow_run
+    # Who started it (the MLflow UI's "User"): the tracking server's user, else the login.
+    tags["mlflow.user"] = os.environ.get("MLFLOW_TRACKING_USERNAME") or getpass.getuser()
     run = mlflow_client.create_run(experiment_id, tags=tags)
     run_id = run.info.run_id
     from mlflow.entities import Param
