@@ -74,6 +74,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_deploy_train(args: argparse.Namespace) -> int:
+    from flows.deploy import deploy_train
+    from training.project import find_project_root
+
+    project_dir = args.project_dir or str(find_project_root())
+    name = deploy_train(args.pool, project_dir, args.image)
+    print(
+        f"deployment {name} runs the train stage on work pool {args.pool!r} in {project_dir}; "
+        f"flows use it with orchestrate.train_pool={args.pool}"
+    )
+    return 0
+
+
 def _cmd_lineage(args: argparse.Namespace) -> int:
     from flows.review import lineage_text, restore_data
     from training.project import find_project_root
@@ -221,6 +234,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("deployment", nargs="*", help="names of deployments to serve (default: all)")
     serve.set_defaults(func=_cmd_serve)
+
+    deploy_train = sub.add_parser(
+        "deploy-train",
+        help="register the train-only deployment on a work pool (orchestrate.train_pool)",
+    )
+    deploy_train.add_argument("--pool", required=True, help="the Prefect work pool (GPU machines)")
+    deploy_train.add_argument(
+        "--project-dir",
+        help="the gradline checkout on the pool's machines (default: this one)",
+    )
+    deploy_train.add_argument(
+        "--image", help="container image holding that checkout (Kubernetes pools)"
+    )
+    deploy_train.set_defaults(func=_cmd_deploy_train)
 
     lineage = sub.add_parser("lineage", help="where a model version came from")
     lineage.add_argument("model", help="NAME@ALIAS, NAME/VERSION, or NAME (its champion)")

@@ -138,3 +138,51 @@ def serve_deployments(root: Path, names: list[str]) -> None:
         for spec in specs
     ]
     serve(*deployments, limit=1)
+
+
+def deploy_train(pool: str, project_dir: str, image: str | None = None) -> str:
+    """Register the train-only deployment `gradline-train/<pool>` on work pool `pool`.
+
+    Its flow runs start in `project_dir`, the gradline checkout on the pool's machines
+    (in `image`, for a Kubernetes pool: a job variable of the deployment).
+
+    Registered through the client rather than `flow.deploy()`: that asks the server for
+    workers first, which Prefect 3.8.8's server refuses (422); and
+    `to_deployment().apply()` cannot say where the code already is (a pull step).
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import get_current_settings
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.train_pool import ENTRYPOINT, deployment_name, train_stage
+
+    if not get_current_settings().api.url:
+        raise ConfigError(
+            "PREFECT_API_URL is not set: the deployment goes to the Prefect server that the "
+            "flows and the pool's workers share, e.g. PREFECT_API_URL=http://HOST:4200/api"
+        )
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(pool)
+        except ObjectNotFound:
+            raise ConfigError(
+                f"no work pool {pool!r} on the Prefect server: create it first, e.g. "
+                f"`prefect work-pool create {pool} --type process`, or with "
+                "deploy/prefect/gpu-work-pool.json for Kubernetes (deploy/README.md)"
+            ) from None
+        client.create_deployment(
+            flow_id=client.create_flow(train_stage),
+            name=pool,
+            entrypoint=ENTRYPOINT,
+            work_pool_name=pool,
+            pull_steps=[
+                {"prefect.deployments.steps.set_working_directory": {"directory": project_dir}}
+            ],
+            parameter_openapi_schema=parameter_schema(train_stage).model_dump_for_openapi(),
+            description="the train stage of gradline flows with orchestrate.train_pool="
+            f"{pool} (flows/train_pool.py)",
+            tags=["gradline"],
+            job_variables={"image": image} if image else None,
+        )
+    return deployment_name(pool)

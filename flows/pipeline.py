@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.states import Completed
 
-from flows.train_pool import train_on_pool
+from flows.train_pool import check_train_pool, train_on_pool
 from tasks.dvc_stages import push_data, run_stage, stale_stages
 from tasks.quota import check_quota, device_slots
 from tasks.registry import (
@@ -31,10 +31,13 @@ from training.project import Project, find_project_root
 @task(name="apply-params", task_run_name="apply-params")
 def apply_params(root: str, overrides: list[str]) -> Config:
     """Validate params.yaml + overrides and record the overrides in params.yaml. A job
-    the device quota can never run is refused here, before anything is written."""
+    the device quota can never run, or a train pool with no train deployment, is refused
+    here, before anything is written."""
     params = Project(Path(root)).params
     cfg = load_config(params, overrides)
-    if not cfg.orchestrate.train_pool:  # else the pool's machine checks its own quota
+    if cfg.orchestrate.train_pool:  # the pool's machine checks its own device quota
+        check_train_pool(cfg.orchestrate.train_pool)
+    else:
         check_quota(cfg)
     return write_overrides(params, overrides)
 

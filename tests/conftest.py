@@ -77,3 +77,20 @@ def train_job(shards: Path, work: Path, cfg, tracking: tuple[str, str] | None = 
         tracking_uri=uri,
         run_id=run_id,
     )
+
+
+def http_status(port: int, path: str, auth: tuple[str, str] | None = None, host: str = "") -> int:
+    """The HTTP status of GET `path` on 127.0.0.1:`port`, with basic-auth credentials and
+    another Host header when given (servers must refuse foreign Host headers)."""
+    import base64
+    import http.client
+
+    headers = {"Host": host} if host else {}
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(":".join(auth).encode()).decode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path, headers=headers)
+        return conn.getresponse().status
+    finally:
+        conn.close()

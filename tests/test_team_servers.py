@@ -8,7 +8,6 @@ pipeline records or prints (params, tags, run names, artifacts, logs, summaries,
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import secrets
@@ -16,14 +15,13 @@ import signal
 import subprocess
 import sys
 import time
-from base64 import b64encode
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
 import pytest
 
-from .conftest import copy_project
+from .conftest import copy_project, http_status
 from .test_e2e import SMALL, _dvc, _env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -85,19 +83,6 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
-def _status(port: int, path: str, auth: tuple[str, str] | None = None, host: str = "") -> int:
-    """The HTTP status of GET `path`; `host` replaces the Host header when given."""
-    headers = {"Host": host} if host else {}
-    if auth:
-        headers["Authorization"] = "Basic " + b64encode(":".join(auth).encode()).decode()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", path, headers=headers)
-        return conn.getresponse().status
-    finally:
-        conn.close()
-
-
 def _wait_until_up(procs: dict[str, tuple[subprocess.Popen, int, Path]], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     waiting = dict(procs)
@@ -105,7 +90,7 @@ def _wait_until_up(procs: dict[str, tuple[subprocess.Popen, int, Path]], timeout
         for name, (proc, port, log) in list(waiting.items()):
             assert proc.poll() is None, f"{name} exited:\n{log.read_text()[-3000:]}"
             with contextlib.suppress(OSError):
-                if _status(port, "/health" if name == "mlflow" else "/") == 200:
+                if http_status(port, "/health" if name == "mlflow" else "/") == 200:
                     del waiting[name]
         assert time.monotonic() < deadline, f"not up after {timeout_s} s: {sorted(waiting)}"
         time.sleep(0.5)
@@ -250,14 +235,14 @@ def team_run(servers, tmp_path_factory) -> tuple[Path, subprocess.CompletedProce
 def test_server_refuses_foreign_hosts_and_anonymous_requests(servers) -> None:
     port, path = servers.mlflow_port, "/api/2.0/mlflow/experiments/search?max_results=1"
     admin = ("admin", servers.admin_password)
-    assert _status(port, path, admin) == 200
-    assert _status(port, path) == 401  # no credentials
-    assert _status(port, path, ("admin", "wrong-" + servers.admin_password)) == 401
+    assert http_status(port, path, admin) == 200
+    assert http_status(port, path) == 401  # no credentials
+    assert http_status(port, path, ("admin", "wrong-" + servers.admin_password)) == 401
     # DNS rebinding: a page on evil.example resolving to 127.0.0.1 is refused, even with
     # (browser-cached) credentials; loopback names are allowed by default.
-    assert _status(port, path, admin, host="evil.example") == 403
-    assert _status(port, path, host=f"evil.example:{port}") == 403
-    assert _status(port, path, admin, host=f"localhost:{port}") == 200
+    assert http_status(port, path, admin, host="evil.example") == 403
+    assert http_status(port, path, host=f"evil.example:{port}") == 403
+    assert http_status(port, path, admin, host=f"localhost:{port}") == 200
 
 
 def test_pipeline_runs_against_the_team_servers(servers, team_run, tmp_path: Path) -> None:

@@ -3,9 +3,7 @@ browser), `--auth` refuses strangers, and Ctrl-C, SIGTERM or SIGHUP stops every 
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import http.client
 import json
 import os
 import re
@@ -27,7 +25,7 @@ import pytest
 from flows.ui import UiOptions, auth_environment, serve_uis
 from training.errors import TrackingError
 
-from .conftest import copy_project
+from .conftest import copy_project, http_status
 
 BIN = Path(sys.executable).parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -170,10 +168,10 @@ def test_ui_auth_refuses_strangers_and_sigterm_stops_all(tmp_path: Path) -> None
     creds = {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
     with _gradline_ui(tmp_path, "--auth", env=creds) as ui:
         path = "/api/2.0/mlflow/experiments/search?max_results=1"
-        assert _status(ui.mlflow_port, path) == 401
-        assert _status(ui.mlflow_port, path, auth=(user, "wrong")) == 401
-        assert _status(ui.mlflow_port, path, auth=(user, password)) == 200
-        assert _status(ui.mlflow_port, path, auth=(user, password), host="evil.example") == 403
+        assert http_status(ui.mlflow_port, path) == 401
+        assert http_status(ui.mlflow_port, path, auth=(user, "wrong")) == 401
+        assert http_status(ui.mlflow_port, path, auth=(user, password)) == 200
+        assert http_status(ui.mlflow_port, path, auth=(user, password), host="evil.example") == 403
         _stop_and_check(ui, signal.SIGTERM)  # what systemd and `timeout` send
     assert password not in ui.output()
     assert password not in (tmp_path / "gradline" / "mlflow" / "basic_auth.ini").read_text()
@@ -265,18 +263,6 @@ def _ui_settings(prefect_port: int) -> dict:
     """What the Prefect UI's JavaScript fetches first to learn where its API is."""
     with urllib.request.urlopen(f"http://127.0.0.1:{prefect_port}/ui-settings", timeout=10) as r:
         return json.load(r)
-
-
-def _status(port: int, path: str, auth: tuple[str, str] | None = None, host: str | None = None):
-    headers = {"Host": host or f"127.0.0.1:{port}"}
-    if auth:
-        headers["Authorization"] = "Basic " + base64.b64encode(":".join(auth).encode()).decode()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", path, headers=headers)
-        return conn.getresponse().status
-    finally:
-        conn.close()
 
 
 FLOW = """
