@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -30,6 +31,8 @@ from training.engine.health import describe, latest_failures
 from training.engine.loop import TrainJob, worker_main
 from training.errors import CRASH_EXIT_CODE, PREEMPTED_EXIT_CODE, GradlineError
 from training.project import JobDir
+
+log = logging.getLogger("gradline.launch")
 
 
 class TrainingFailed(GradlineError):
@@ -62,7 +65,10 @@ def open_control(runtime: RuntimeConfig) -> Control:
 @contextlib.contextmanager
 def _stop_requests_go_to_the_store(control: Control) -> Iterator[None]:
     def on_term(signum, _frame) -> None:
-        control.request_stop()
+        try:
+            control.request_stop()
+        except (RuntimeError, OSError) as exc:  # the store's node is gone: so is the job
+            log.warning("stop request not delivered to %s: %s", control.endpoint, exc)
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
