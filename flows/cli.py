@@ -171,7 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gradline", description="Orchestrated, tracked, reproducible training."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    commands = (_add_run, _add_compare, _add_example, _add_serve, _add_deploy_train)
+    for add in (*commands, _add_lineage, _add_runs, _add_stage, _add_ui):
+        add(sub)  # each subcommand's arguments, in the order `gradline --help` lists them
+    return parser
 
+
+def _add_run(sub) -> None:
     run = sub.add_parser("run", help="run the whole pipeline as a Prefect flow")
     run.add_argument(
         "--set",
@@ -187,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=_cmd_run)
 
+
+def _add_compare(sub) -> None:
     compare = sub.add_parser(
         "compare-updates",
         help="train the configuration once per update rule and compare them in MLflow",
@@ -221,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.set_defaults(func=_cmd_compare_updates)
 
+
+def _add_example(sub) -> None:
     example = sub.add_parser(
         "example", help="write a ready-made workload into params.yaml (--list names them)"
     )
@@ -228,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     example.add_argument("--list", action="store_true", help="list the examples")
     example.set_defaults(func=_cmd_example)
 
+
+def _add_serve(sub) -> None:
     serve = sub.add_parser(
         "serve",
         help="register prefect.yaml's deployments with the Prefect server and run them",
@@ -235,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("deployment", nargs="*", help="names of deployments to serve (default: all)")
     serve.set_defaults(func=_cmd_serve)
 
+
+def _add_deploy_train(sub) -> None:
     deploy_train = sub.add_parser(
         "deploy-train",
         help="register the train-only deployment on a work pool (orchestrate.train_pool)",
@@ -249,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     deploy_train.set_defaults(func=_cmd_deploy_train)
 
+
+def _add_lineage(sub) -> None:
     lineage = sub.add_parser("lineage", help="where a model version came from")
     lineage.add_argument("model", help="NAME@ALIAS, NAME/VERSION, or NAME (its champion)")
     lineage.add_argument(
@@ -258,10 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lineage.set_defaults(func=_cmd_lineage)
 
+
+def _add_runs(sub) -> None:
     runs = sub.add_parser("runs", help="recent runs with their key metrics")
     runs.add_argument("-n", "--limit", type=_positive_int, default=20)
     runs.set_defaults(func=_cmd_runs)
 
+
+def _add_stage(sub) -> None:
     stage = sub.add_parser("stage", help="run one DVC stage (what dvc.yaml calls)")
     stage_sub = stage.add_subparsers(dest="name", required=True)
     ingest = stage_sub.add_parser("ingest")
@@ -279,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
         evaluate.add_argument(flag, required=True)
     stage.set_defaults(func=_cmd_stage)
 
+
+def _add_ui(sub) -> None:
     ui = sub.add_parser(
         "ui",
         help="serve the MLflow UI and a Prefect server (127.0.0.1) until Ctrl-C or SIGTERM",
@@ -307,7 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=_positive_int, default=1, help="MLflow server worker processes"
     )
     ui.set_defaults(func=_cmd_ui)
-    return parser
 
 
 # torchrun's launch notions, with torchrun's environment names (PET_*) as defaults, so

@@ -20,7 +20,7 @@ import torch
 
 from training.config import Config, update_params_file
 from training.engine.launch import free_port
-from training.errors import ConfigError
+from training.errors import PREEMPTED_EXIT_CODE, ConfigError
 from training.models import load_model_dir
 from training.runs import check_checkpoint_location
 from training.tracking import client, ensure_experiment
@@ -87,7 +87,8 @@ def _node_flags(nnodes: str, endpoint: str, job: str) -> tuple[str, ...]:
     return ("--nnodes", nnodes, "--rdzv-endpoint", endpoint, "--rdzv-id", job)
 
 
-def _wait(procs, folders, timeout: float = 200) -> None:
+def _finish(procs, folders, timeout: float = 200) -> list[int]:
+    """Every node's exit code (killing them all if one overruns `timeout`)."""
     deadline = time.monotonic() + timeout
     for proc, folder in zip(procs, folders, strict=True):
         try:
@@ -96,7 +97,12 @@ def _wait(procs, folders, timeout: float = 200) -> None:
             for p in procs:
                 p.kill()
             raise AssertionError((folder / "node.log").read_text()[-3000:]) from None
-        assert proc.returncode == 0, (folder / "node.log").read_text()[-3000:]
+    return [proc.returncode for proc in procs]
+
+
+def _wait(procs, folders, timeout: float = 200) -> None:
+    for code, folder in zip(_finish(procs, folders, timeout), folders, strict=True):
+        assert code == 0, (folder / "node.log").read_text()[-3000:]
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -221,6 +227,55 @@ def test_losing_a_node_the_job_goes_on_with_the_other(tiny_shards, tmp_path) -> 
     runs = cluster.runs()
     assert len(runs) == 1 and runs[0].info.status == "FINISHED", log[-2000:]
     _one_value_per_step(cluster, runs[0].info.run_id)
+
+
+def test_sigterm_to_one_node_stops_both_at_a_checkpoint_then_both_resume(
+    tiny_shards, tmp_path
+) -> None:
+    """A preemption notice to the second node's launcher reaches every rank through the
+    rendezvous store (the nodes share no folder but the checkpoints): both exit 75 after
+    one checkpoint, and the same command on both finishes the job in the same run."""
+    cluster = Cluster(tmp_path, tiny_shards)
+    endpoint = f"127.0.0.1:{free_port()}"
+    flags = _node_flags("2", endpoint, "stop-and-resume")
+    folders = [cluster.node("node-a"), cluster.node("node-b")]
+    slow = {"GRADLINE_FAULT": "slow:rank=-1:step=0:seconds=0.1"}
+    first = cluster.start(folders[0], *flags, **slow)
+    _wait_for_port(endpoint, first)
+    procs = [first, cluster.start(folders[1], *flags, **slow)]
+    deadline = time.monotonic() + 150
+    while not list(cluster.checkpoints.glob("*/step-????????")):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)
+    assert _finish(procs, folders) == [PREEMPTED_EXIT_CODE] * 2
+    logs = [(f / "node.log").read_text() for f in folders]
+    stopped = {int(log.split("stopped on request at step ")[1].split(";")[0]) for log in logs}
+    assert len(stopped) == 1  # the same step on both nodes
+    assert list(cluster.checkpoints.glob(f"*/step-{stopped.pop():08d}"))
+    _wait([cluster.start(f, *flags) for f in folders], folders)
+    runs = cluster.runs()
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    _one_value_per_step(cluster, runs[0].info.run_id)
+
+
+def test_a_rank_stalled_on_another_node_is_named(tiny_shards, tmp_path) -> None:
+    """Hang diagnosis across nodes: the heartbeats come through the store, so the
+    launcher of the node whose rank timed out names the stalled rank, wherever it ran.
+    (The stall ends after a while: the stalled rank's node learns of the failure only
+    when its rank next talks to the dead peer.)"""
+    cluster = Cluster(tmp_path, tiny_shards)
+    endpoint = f"127.0.0.1:{free_port()}"
+    flags = _node_flags("2", endpoint, "stall")
+    folders = [cluster.node(name, collective_timeout_s=8, max_restarts=0) for name in ("a", "b")]
+    stall = {"GRADLINE_FAULT": "stall:rank=1:step=4:seconds=20"}
+    first = cluster.start(folders[0], *flags, **stall)
+    _wait_for_port(endpoint, first)
+    procs = [first, cluster.start(folders[1], *flags, **stall)]
+    assert all(code != 0 for code in _finish(procs, folders))
+    logs = [(folder / "node.log").read_text() for folder in folders]
+    assert all("training failed after 1 attempt(s)" in log for log in logs)
+    assert any("rank 1 stopped at step 4 in data" in log for log in logs), logs[0][-2000:]
 
 
 def _wait_for_port(endpoint: str, proc, timeout: float = 60) -> None:
