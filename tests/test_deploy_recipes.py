@@ -389,7 +389,7 @@ def test_work_pool_renders_a_valid_gpu_job() -> None:
 
 # --- Slurm -----------------------------------------------------------------------------
 
-_FAKE_SRUN = r"""#!/usr/bin/env bash
+FAKE_SRUN = r"""#!/usr/bin/env bash
 # srun stand-in: runs the command once per node (--ntasks-per-node=1), passes SIGTERM on.
 printf '%s\n' "$*" >> "$FAKE_LOG/srun.calls"
 while [[ "$1" == -* ]]; do shift; done
@@ -410,7 +410,7 @@ done
 exit "$status"
 """
 
-_FAKE_SCONTROL = r"""#!/usr/bin/env bash
+FAKE_SCONTROL = r"""#!/usr/bin/env bash
 if [[ "$1 $2" == "show hostnames" ]]; then printf '%s\n' $FAKE_HOSTS; exit 0; fi
 printf '%s\n' "$*" >> "$FAKE_LOG/scontrol.calls"
 """
@@ -434,7 +434,7 @@ def slurm(tmp_path: Path) -> dict[str, Any]:
     shims, log, project = tmp_path / "bin", tmp_path / "log", tmp_path / "project"
     for folder in (shims, log, project):
         folder.mkdir()
-    for name, text in (("srun", _FAKE_SRUN), ("scontrol", _FAKE_SCONTROL)):
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (shims / name).write_text(text)
     (shims / "gradline").write_text(_FAKE_GRADLINE)
     for shim in shims.iterdir():

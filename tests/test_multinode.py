@@ -26,6 +26,7 @@ from training.runs import check_checkpoint_location
 from training.tracking import client, ensure_experiment
 
 from .conftest import REPO
+from .test_deploy_recipes import FAKE_SCONTROL, FAKE_SRUN, SBATCH
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -276,6 +277,36 @@ def test_a_rank_stalled_on_another_node_is_named(tiny_shards, tmp_path) -> None:
     logs = [(folder / "node.log").read_text() for folder in folders]
     assert all("training failed after 1 attempt(s)" in log for log in logs)
     assert any("rank 1 stopped at step 4 in data" in log for log in logs), logs[0][-2000:]
+
+
+def test_the_slurm_script_trains_on_two_nodes_of_this_machine(tiny_shards, tmp_path) -> None:
+    """deploy/slurm/train.sbatch run by bash, with stand-ins for srun and scontrol that
+    make two "nodes" of this machine: its launch line trains the job for real."""
+    cluster = Cluster(tmp_path, tiny_shards)
+    project, shims, log = cluster.node("project"), tmp_path / "bin", tmp_path / "log"
+    shims.mkdir()
+    log.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (shims / name).write_text(text)
+        (shims / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}",
+        **{"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "x"},
+        **{"FAKE_HOSTS": "localhost localhost", "FAKE_LOG": str(log)},
+        **{"SLURM_SUBMIT_DIR": str(project), "GRADLINE": GRADLINE, "SHARDS": "shards"},
+        **{"CKPT_DIR": str(cluster.checkpoints), "RDZV_PORT": str(free_port())},
+        "MLFLOW_TRACKING_URI": cluster.tracking_uri,
+    }
+    done = subprocess.run(
+        ["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert (project / "model").is_dir() and (project / "result.json").is_file()
+    runs = cluster.runs()
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["gradline.runtime.nnodes"] == "2"
+    assert runs[0].data.tags["gradline.runtime.rdzv_id"] == "gradline-77"
 
 
 def _wait_for_port(endpoint: str, proc, timeout: float = 60) -> None:

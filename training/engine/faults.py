@@ -90,6 +90,7 @@ class FaultPlan:
                 continue
             elif fault.kind == "kill" and self.attempt == fault.attempt:
                 if self.record_dir is not None:  # when, for recovery-time measurements
+                    self.record_dir.mkdir(parents=True, exist_ok=True)
                     payload = json.dumps({"step": step, "time": time.time()})
                     (self.record_dir / "killed.json").write_text(payload)
                 os.kill(os.getpid(), signal.SIGKILL)
