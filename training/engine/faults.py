@@ -7,7 +7,8 @@ Format: `KIND:rank=R:step=S[:seconds=X][:attempt=A][:once=1]`, several separated
   stall  - stop making progress at step S (sleeps `seconds`, default forever)
   slow   - from step S on, every step: sleep `seconds`, or with `factor=F` stretch the
            step's compute F times (a slower device: the delay follows the rank's share)
-  term   - at step S, send SIGTERM to the launcher (this worker's parent): a preemption
+  term   - at step S (or the first after it), send SIGTERM to the launcher (this worker's
+           parent, once per attempt): a preemption
            notice, as a cluster manager gives, that the job saves and stops on
   hiccup - from step S on, with probability `prob` per step, stall for `factor` times the
            step's compute (a transient straggler; a seeded draw per rank and step)
@@ -75,10 +76,24 @@ class FaultPlan:
         self.rank, self.attempt = rank, attempt
         self.active = bool(self.faults)
         self.record_dir = record_dir
+        self._fired: set[Fault] = set()
 
     @classmethod
     def from_env(cls, rank: int, record_dir: Path | None = None) -> FaultPlan:
         return cls(parse(os.environ.get(ENV, "")), rank, record_dir)
+
+    def _fire_once(self, fault: Fault, step: int) -> None:
+        if fault in self._fired:
+            return
+        self._fired.add(fault)
+        if fault.kind == "term":  # a preemption notice to the launcher (our parent)
+            os.kill(os.getppid(), signal.SIGTERM)
+            return
+        if self.record_dir is not None:  # when, for recovery-time measurements
+            self.record_dir.mkdir(parents=True, exist_ok=True)
+            payload = json.dumps({"step": step, "time": time.time()})
+            (self.record_dir / "killed.json").write_text(payload)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def at_step(self, step: int) -> None:
         if not self.active:
@@ -86,14 +101,13 @@ class FaultPlan:
         for fault in self.faults:
             if fault.kind == "slow" and step >= fault.step:
                 time.sleep(fault.seconds)
+            elif fault.kind in ("kill", "term") and self.attempt == fault.attempt:
+                # A preemption notice comes from step S on, once: an async rank numbers
+                # its own gradients and, resumed past S, would never see S itself.
+                if step == fault.step or (fault.kind == "term" and step > fault.step):
+                    self._fire_once(fault, step)
             elif step != fault.step or fault.kind == "hiccup":
                 continue
-            elif fault.kind == "kill" and self.attempt == fault.attempt:
-                if self.record_dir is not None:  # when, for recovery-time measurements
-                    self.record_dir.mkdir(parents=True, exist_ok=True)
-                    payload = json.dumps({"step": step, "time": time.time()})
-                    (self.record_dir / "killed.json").write_text(payload)
-                os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "fail":
                 if fault.once:
                     # Remembered beside the job's checkpoints, which outlive a launch.
@@ -102,8 +116,6 @@ class FaultPlan:
                         continue
                     marker.write_text("")
                 raise InjectedFailure(f"injected failure at step {step}")
-            elif fault.kind == "term" and self.attempt == fault.attempt:
-                os.kill(os.getppid(), signal.SIGTERM)
             elif fault.kind == "stall":
                 time.sleep(fault.seconds or 10**6)
 
