@@ -262,7 +262,7 @@ def test_sigterm_to_one_node_stops_both_at_a_checkpoint_then_both_resume(
 
 def test_a_rank_stalled_on_another_node_is_named(tiny_shards, tmp_path) -> None:
     """Hang diagnosis across nodes: the heartbeats come through the store, so the
-    launcher of the node whose rank timed out names the stalled rank, wherever it ran.
+    launcher of the node whose rank timed out names the stalled rank on the other node.
     (The stall ends after a while: the stalled rank's node learns of the failure only
     when its rank next talks to the dead peer.)"""
     cluster = Cluster(tmp_path, tiny_shards)
@@ -275,7 +275,9 @@ def test_a_rank_stalled_on_another_node_is_named(tiny_shards, tmp_path) -> None:
     procs = [first, cluster.start(folders[1], *flags, **stall)]
     assert all(code != 0 for code in _finish(procs, folders))
     logs = [(folder / "node.log").read_text() for folder in folders]
-    assert all("training failed after 1 attempt(s)" in log for log in logs)
+    # The first node explains (its rank timed out first); the other loses the rendezvous
+    # store with it and fails too, instead of waiting for its stalled rank.
+    assert any("training failed after 1 attempt(s)" in log for log in logs)
     assert any("rank 1 stopped at step 4 in data" in log for log in logs), logs[0][-2000:]
 
 
