@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import urllib.parse
 
+from training.tracking import redact_uri
+
 OFFLINE_DEFAULTS = {
     # Telemetry calls fail (and log errors) without network.
     "DO_NOT_TRACK": "1",
@@ -38,5 +40,4 @@ def move_uri_credentials(environ) -> None:
             environ.setdefault("MLFLOW_TRACKING_USERNAME", urllib.parse.unquote(parts.username))
         if parts.password:
             environ.setdefault("MLFLOW_TRACKING_PASSWORD", urllib.parse.unquote(parts.password))
-        host = parts.netloc.rsplit("@", 1)[1]
-        environ[name] = urllib.parse.urlunsplit(parts._replace(netloc=host))
+        environ[name] = redact_uri(environ[name])
