@@ -28,11 +28,13 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q --durations=15
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf model checkpoints plots result.json metrics.json data/raw data/shards

@@ -28,26 +28,21 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from benchmarks.common import fmt, launch_local, make_synthetic_shards
 from training.config import Config
-from training.engine.launch import launch_workers
-from training.engine.loop import TrainJob
-from training.project import JobDir
-from training.tracking import client, ensure_experiment
+from training.data.loader import open_reader
+from training.data.manifest import read_manifest
+from training.data.spec import DataSpec
+from training.mlops.jobs import JobOutcome, JobRequest, run_job
+from training.models.registry import build_model
+from training.objectives import objective_for
 
 
 def minimal_ddp_worker(shard_dir: str, cfg: dict, steps: int) -> dict | None:
     """What a user would write by hand: DDP over the same model, data held in memory."""
-    import torch
-    import torch.distributed as dist
-
-    from training.data.loader import open_reader
-    from training.data.shards import read_manifest
-    from training.data.spec import DataSpec
-    from training.models import build_model
-    from training.objectives import objective_for
-
     config = Config.model_validate(cfg)
     torch.set_num_threads(config.runtime.threads_per_worker)
     dist.init_process_group("gloo")
@@ -79,7 +74,7 @@ def minimal_ddp_worker(shard_dir: str, cfg: dict, steps: int) -> dict | None:
 
 
 def _launch_minimal(shards: Path, cfg: Config, steps: int) -> dict:
-    world = cfg.runtime.world_size
+    world = cfg.runtime.procs_per_node
     return launch_local(minimal_ddp_worker, world, str(shards), cfg.model_dump(), steps)[0]
 
 
@@ -98,20 +93,22 @@ class Bench:
         self.folder, self.shards, self.base = folder, shards, base
         self.runs = 0
 
-    def gradline(self, tracking: bool = False, **changes: dict) -> tuple[dict, Path]:
+    def gradline(self, tracking: bool = False, **changes: dict) -> JobOutcome:
+        """One job through the train stage's lifecycle, into its own MLflow run when
+        `tracking` (the model is not logged: the loop is what is measured)."""
         self.runs += 1
         work = self.folder / f"run{self.runs}"
-        cfg = config(self.base, **changes)
-        uri = run_id = None
-        if tracking:
-            uri = f"sqlite:///{self.folder / 'mlflow.db'}"
-            experiment = ensure_experiment(uri, "bench", (self.folder / "art").as_uri())
-            run_id = client(uri).create_run(experiment).info.run_id
-        job = TrainJob(
-            cfg.model_dump(), str(self.shards), str(work / "ckpt"), str(work / "model"), uri, run_id
+        uri = f"sqlite:///{self.folder / 'mlflow.db'}" if tracking else None
+        request = JobRequest(
+            config(self.base, **changes),
+            self.shards,
+            work / "ckpt",
+            work / "model",
+            root=self.folder,
+            tracking_uri=uri,
+            log_model=False,
         )
-        result = launch_workers(job, cfg.runtime.world_size, cfg.runtime.max_restarts)
-        return result, work
+        return run_job(request)
 
 
 def main() -> None:
@@ -135,7 +132,7 @@ def main() -> None:
             "optim": {"warmup_steps": 0, "lr_schedule": "constant", "grad_clip": 0.0},
             "train": {"epochs": 1, "max_steps": args.steps, "batch_size": 2 * args.per_rank_batch},
             "runtime": {
-                "world_size": 2,
+                "procs_per_node": 2,
                 "checkpoint_every_steps": 10**6,
                 "log_every_steps": 20,
                 "control_every_steps": 10,
@@ -144,26 +141,26 @@ def main() -> None:
         }
         bench = Bench(folder, shards, base)
         one = {
-            "runtime": {"world_size": 1},
+            "runtime": {"procs_per_node": 1},
             "train": {"batch_size": args.per_rank_batch},
         }
         minimal, plain, tracked, one_rank, minimal_one = [], [], [], [], []
         for _ in range(args.repeats):  # interleaved, so drift hits every side alike
             minimal.append(_launch_minimal(shards, config(base), args.steps))
-            plain.append(bench.gradline()[0])
-            tracked.append(bench.gradline(tracking=True)[0])
-            one_rank.append(bench.gradline(**one)[0])
+            plain.append(bench.gradline().final)
+            tracked.append(bench.gradline(tracking=True).final)
+            one_rank.append(bench.gradline(**one).final)
             minimal_one.append(_launch_minimal(shards, config(base, **one), args.steps))
         every_10 = {"checkpoint_every_steps": 10}
-        async_ = bench.gradline(runtime={**every_10, "async_checkpoint": True})[0]
-        sync = bench.gradline(runtime={**every_10, "async_checkpoint": False})[0]
+        async_ = bench.gradline(runtime={**every_10, "async_checkpoint": True}).final
+        sync = bench.gradline(runtime={**every_10, "async_checkpoint": False}).final
         os.environ["GRADLINE_FAULT"] = f"kill:rank=1:step={args.steps // 2}:attempt=0"
         try:
             runtime = {"max_restarts": 1, "checkpoint_every_steps": args.steps // 4}
-            _, work = bench.gradline(runtime=runtime)
+            recovered = bench.gradline(runtime=runtime)
         finally:
             del os.environ["GRADLINE_FAULT"]
-        health = JobDir(work / "ckpt").health
+        health = recovered.job.job_dir.health
         killed = json.loads((health / "killed.json").read_text())["time"]
         resumed = json.loads((health / "resumed.json").read_text())["time"]
 

@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.common import fmt, make_synthetic_shards, timed
 from training.data.loader import RankLoader, epoch_permutation, open_reader
-from training.data.shards import read_manifest
+from training.data.manifest import read_manifest
 
 
 def gradline_epoch(loader: RankLoader, epoch: int) -> int:

@@ -59,7 +59,7 @@ def _config(world: int, parallel: dict):
             "task": {"type": "language_modeling"},
             "model": MODEL,
             "train": {"batch_size": BATCH},
-            "runtime": {"world_size": world},
+            "runtime": {"procs_per_node": world},
             "parallel": {"pp_microbatches": MICROBATCHES, **parallel},
         }
     )
@@ -99,14 +99,17 @@ def layout_worker(world: int, parallel: dict, steps: int) -> dict:
 
     from training.data.spec import DataSpec
     from training.engine.comm import CommMeter
-    from training.engine.parallelize import Pipelined, parallelize
+    from training.engine.layouts import Pipelined
+    from training.engine.parallelize import parallelize
+    from training.engine.state import clip_grad_norm
+    from training.engine.steps import StepInputs
     from training.engine.topology import Topology, process_group
-    from training.models import build_model
+    from training.models.registry import build_model
     from training.objectives import objective_for
 
     cfg = _config(world, parallel)
     torch.set_num_threads(1)
-    topo = Topology.from_env("gloo").with_mesh(cfg.layout())
+    topo = Topology.from_env("gloo").with_shape(cfg.layout())
     data = DataSpec(kind="tokens", feature_shape=(), vocab_size=VOCAB)
     objective = objective_for("language_modeling", data, None)
 
@@ -115,7 +118,12 @@ def layout_worker(world: int, parallel: dict, steps: int) -> dict:
         return build_model(cfg.model, "language_modeling", data)
 
     with process_group(topo):
-        model = parallelize(build, cfg, topo, objective.loss)
+        if not topo.shape.plain_data_parallel:
+            topo = topo.with_device_mesh()
+        constant = cfg.optim.lr
+        model = parallelize(
+            build, cfg, topo, objective.loss, contextlib.nullcontext, lambda _: constant
+        )
         generator = torch.Generator().manual_seed(topo.dp_rank)
         rows = BATCH // topo.dp_size
         times, bubbles, state, sent = [], [], 0, 0.0
@@ -125,14 +133,11 @@ def layout_worker(world: int, parallel: dict, steps: int) -> dict:
             counted = step == steps - 1  # the last step counts bytes (the meter costs time)
             started = time.perf_counter()
             with CommMeter() if counted else contextlib.nullcontext() as meter:
-                outcome = model.forward_backward(
-                    x, y, objective.loss, 1, contextlib.nullcontext, measure_comm=False
-                )
-                model.clip_grad_norm(1.0)
+                outcome = model.forward_backward(StepInputs(x, y, step))
+                clip_grad_norm(model.parts, 1.0, topo.shape.pp, model.replicated)
             if step >= 1:  # the optimizer's state exists after its first step
                 state = max(state, _state_bytes(model))
-            model.optimizer.step()
-            model.optimizer.zero_grad(set_to_none=True)
+            model.optimizer_step(constant, grad_clip=0.0)  # clipped above, inside the timing
             if counted:
                 sent = meter.bytes_sent
             elif step >= 2:  # the first steps warm up (allocations, shape inference)

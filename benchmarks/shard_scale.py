@@ -66,7 +66,7 @@ def main() -> None:
         data_gb = sum(p.stat().st_size for p in (args.folder / "shards").iterdir()) / 1e9
 
         from training.data.loader import RankLoader, open_reader
-        from training.data.shards import read_manifest
+        from training.data.manifest import read_manifest
 
         shards = args.folder / "shards"
         reader = open_reader(shards, read_manifest(shards), "train")

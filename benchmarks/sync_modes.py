@@ -1,6 +1,7 @@
 """Update rules and straggler mitigation on one small `gpt` job (2 ranks, gloo, 1 thread
-per rank), each run through the real engine (launch_workers: the train stage's launcher)
-on the same token shards (the standard library's source, bytes tokens).
+per rank), each run through the real engine
+on the same token shards (the standard library's source, bytes tokens), each through
+the train stage's own lifecycle (training.mlops.jobs.run_job, tracking off).
 
 Throughput is samples/s over the loop's own seconds (result `loop_seconds`: validation
 and start-up excluded), relative to `sync` on clean ranks in the same repetition.
@@ -9,7 +10,7 @@ Persistent straggler, GRADLINE_FAULT `slow:rank=1:factor=2` (rank 1 computes 2x 
 - sync_straggler_ratio:      sync under the straggler / clean sync
 - balanced_straggler_ratio:  sync with parallel.balance=measured (rank 1 gets a smaller
                              share of each global batch) / clean sync      target >= 0.7
-- async_straggler_ratio:     parallel.update=async / clean sync            target >= 0.65
+- async_straggler_ratio:     update.rule=async / clean sync                target >= 0.65
 Transient stalls, `hiccup:rank=-1:prob=P:factor=10` (any rank stalls 10 step-times with
 probability P per step):
 - sync_transient_ratio, local_sgd_transient_ratio, async_transient_ratio: / clean sync
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -46,27 +46,28 @@ from benchmarks.common import fmt
 from training.config import Config, DataConfig, ShardConfig
 from training.data.ingest import ingest
 from training.data.shards import write_shards
-from training.engine.faults import ENV as FAULT_ENV
+from training.mlops.jobs import JobRequest, run_job
 
 DATA = {"source": "stdlib", "max_bytes": 600_000, "split_by": "document"}
 MODEL = {"name": "gpt", "layers": 2, "heads": 2, "width": 64, "context": 32, "dropout": 0.0}
 BATCH = 32
 SLOW = "slow:rank=1:step=0:factor=2"
 HICCUP = "hiccup:rank=-1:step=0:prob={prob}:factor=10"
-LOCAL_SGD = {"update": "local_sgd", "sync_every": 8, "sync_warmup_steps": 0}
-# name -> (parallel section, fault)
+LOCAL_SGD = {"update": {"rule": "local_sgd", "sync_every": 8, "sync_warmup_steps": 0}}
+ASYNC = {"update": {"rule": "async"}}
+# name -> (sections changed from the base config, fault)
 SCENARIOS: dict[str, tuple[dict, str]] = {
     "sync": ({}, ""),
     "local_sgd": (LOCAL_SGD, ""),
-    "diloco": ({"update": "diloco"}, ""),
-    "async": ({"update": "async"}, ""),
-    "powersgd": ({"grad_compression": "powersgd", "powersgd_rank": 4}, ""),
+    "diloco": ({"update": {"rule": "diloco"}}, ""),
+    "async": (ASYNC, ""),
+    "powersgd": ({"update": {"grad_compression": "powersgd", "powersgd_rank": 4}}, ""),
     "sync_slow": ({}, SLOW),
-    "balanced_slow": ({"balance": "measured"}, SLOW),
-    "async_slow": ({"update": "async"}, SLOW),
+    "balanced_slow": ({"parallel": {"balance": "measured"}}, SLOW),
+    "async_slow": (ASYNC, SLOW),
     "sync_hiccup": ({}, HICCUP),
     "local_sgd_hiccup": (LOCAL_SGD, HICCUP),
-    "async_hiccup": ({"update": "async"}, HICCUP),
+    "async_hiccup": (ASYNC, HICCUP),
 }
 THROUGHPUT = {
     "sync_straggler_ratio": "sync_slow",
@@ -91,7 +92,7 @@ TARGETS = {
 }
 
 
-def config(steps: int, parallel: dict) -> Config:
+def config(steps: int, changes: dict) -> Config:
     return Config.model_validate(
         {
             "data": DATA,
@@ -100,7 +101,7 @@ def config(steps: int, parallel: dict) -> Config:
             "optim": {"warmup_steps": 10},
             "train": {"epochs": 1, "max_steps": steps, "batch_size": BATCH},
             "runtime": {
-                "world_size": 2,
+                "procs_per_node": 2,
                 "threads_per_worker": 1,
                 "log_every_steps": 10,
                 "checkpoint_every_steps": 10**6,  # the final checkpoint only
@@ -108,7 +109,7 @@ def config(steps: int, parallel: dict) -> Config:
                 "max_restarts": 0,
                 "collective_timeout_s": 120,
             },
-            "parallel": parallel,
+            **changes,
         }
     )
 
@@ -118,28 +119,14 @@ def token_shards(folder: Path) -> Path:
     data = DataConfig(**DATA)
     raw, shards = folder / "raw", folder / "shards"
     report = folder / "ingest.json"
-    ingest(data, folder, raw, folder / "quarantine", report, task="language_modeling")
+    ingest(data, folder, raw, folder / "quarantine", report, labels=None)
     write_shards(ShardConfig(target_shard_mb=1), raw, shards, "benchmark")
     return shards
 
 
 def run(shards: Path, work: Path, cfg: Config, fault: str) -> dict:
-    """One job through the train stage's launcher (tracking off); rank 0's result."""
-    from training.engine.launch import launch_workers
-    from training.engine.loop import TrainJob
-
-    job = TrainJob(
-        cfg.model_dump(), str(shards), str(work / "ckpt"), str(work / "model"), None, None
-    )
-    previous = os.environ.pop(FAULT_ENV, None)
-    if fault:
-        os.environ[FAULT_ENV] = fault
-    try:
-        return launch_workers(job, cfg.runtime.world_size, cfg.runtime.max_restarts)
-    finally:
-        os.environ.pop(FAULT_ENV, None)
-        if previous is not None:
-            os.environ[FAULT_ENV] = previous
+    """One job through the train stage's lifecycle (tracking off); rank 0's result."""
+    return run_job(JobRequest(cfg, shards, work / "ckpt", work / "model", faults=fault)).final
 
 
 def samples_per_s(result: dict) -> float:
@@ -173,13 +160,11 @@ def main() -> None:
         count = 0
         for repeat in range(args.repeats):  # interleaved: drift hits every scenario alike
             for name in chosen:
-                parallel, fault = SCENARIOS[name]
+                changes, fault = SCENARIOS[name]
                 fault = fault.format(prob=args.hiccup_prob)
                 count += 1
                 try:
-                    result = run(
-                        shards, folder / f"run{count}", config(args.steps, parallel), fault
-                    )
+                    result = run(shards, folder / f"run{count}", config(args.steps, changes), fault)
                 except Exception as exc:  # a rule the engine cannot run yet: report, go on
                     print(f"{name} (repeat {repeat + 1}) failed: {exc}", file=sys.stderr)
                     runs[name].append(nan)

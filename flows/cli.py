@@ -33,10 +33,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare_updates(args: argparse.Namespace) -> int:
-    from tasks.compare import reproduce_shards
-    from training.compare import parse_rules, plan_comparison, run_comparison
-    from training.project import find_project_root
-    from training.tracking import default_tracking_uri, store_errors
+    from tasks.dvc_stages import reproduce_shards
+    from training.mlops.compare import parse_rules, plan_comparison, run_comparison
+    from training.mlops.tracking import store_errors
+    from training.project import default_tracking_uri, find_project_root
 
     root = find_project_root()
     # Every child's config, the rules and the fault are checked before anything runs.
@@ -89,8 +89,8 @@ def _cmd_deploy_train(args: argparse.Namespace) -> int:
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
     from flows.review import lineage_text, restore_data
-    from training.project import find_project_root
-    from training.tracking import default_tracking_uri, store_errors
+    from training.mlops.tracking import store_errors
+    from training.project import default_tracking_uri, find_project_root
 
     root = find_project_root()
     with store_errors(default_tracking_uri(root)):
@@ -104,8 +104,8 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
 
 def _cmd_runs(args: argparse.Namespace) -> int:
     from flows.review import runs_text
-    from training.project import find_project_root
-    from training.tracking import default_tracking_uri, store_errors
+    from training.mlops.tracking import store_errors
+    from training.project import default_tracking_uri, find_project_root
 
     root = find_project_root()
     with store_errors(default_tracking_uri(root)):
@@ -199,7 +199,7 @@ def _add_compare(sub) -> None:
         "compare-updates",
         help="train the configuration once per update rule and compare them in MLflow",
         description="Train params.yaml (plus --set overrides, not written back) once per "
-        "parallel.update rule, each as a child MLflow run of one parent run that gets a "
+        "update.rule, each as a child MLflow run of one parent run that gets a "
         "table (throughput, final val_loss, bytes per step, each against sync) and plots "
         "of val_loss against seconds, samples and bytes. The data is brought up to date "
         "first with `dvc repro shard`; the pipeline's model, result and registry are "
@@ -209,7 +209,7 @@ def _add_compare(sub) -> None:
         "--rules",
         default="sync,local_sgd,diloco,async",
         metavar="RULE,RULE",
-        help="comma-separated parallel.update rules (default: sync,local_sgd,diloco,async)",
+        help="comma-separated update rules (default: sync,local_sgd,diloco,async)",
     )
     compare.add_argument(
         "--slow-rank", type=int, metavar="R", help="make rank R a slower device in every child"
@@ -335,7 +335,7 @@ def _add_ui(sub) -> None:
 # a Slurm script or a Kubernetes operator that sets them for torchrun sets them for us.
 LAUNCH_FLAGS = {
     "--nnodes": ("runtime.nnodes", "PET_NNODES", "nodes as N or MIN:MAX (elastic)"),
-    "--nproc-per-node": ("runtime.world_size", "PET_NPROC_PER_NODE", "worker processes here"),
+    "--nproc-per-node": ("runtime.procs_per_node", "PET_NPROC_PER_NODE", "worker processes here"),
     "--rdzv-endpoint": ("runtime.rdzv_endpoint", "PET_RDZV_ENDPOINT", "HOST:PORT of node one"),
     "--rdzv-id": ("runtime.rdzv_id", "PET_RDZV_ID", "the same job id on every node"),
     "--local-addr": ("runtime.local_addr", "PET_LOCAL_ADDR", "this node's reachable address"),

@@ -12,6 +12,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefect import serve
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.schedules import CronSchedule
+from prefect.exceptions import ObjectNotFound
+from prefect.schedules import Cron
+from prefect.settings import get_current_settings
+from prefect.utilities.callables import parameter_schema
+
+from flows import train_pool
+from flows.pipeline import pipeline
+from flows.train_pool import deployment_name, train_stage
 from training.config import load_config, read_yaml_mapping
 from training.errors import ConfigError
 from training.project import Project
@@ -41,8 +52,6 @@ def _schedule(source: Path, where: str, raw: Any) -> dict[str, Any]:
         raise _fail(source, where, f"unknown keys {sorted(unknown)}; use cron, timezone, active")
     if not isinstance(raw.get("active", True), bool):
         raise _fail(source, where, "active must be true or false")
-    from prefect.client.schemas.schedules import CronSchedule
-
     try:  # the same check the server makes, so a typo fails here and not at 2 am
         CronSchedule(cron=raw["cron"], timezone=raw.get("timezone"))
     except ValueError as exc:
@@ -104,10 +113,6 @@ def serve_deployments(root: Path, names: list[str]) -> None:
 
     Flow runs of one project go one at a time (`limit=1`): they share its DVC workspace.
     """
-    from prefect import serve
-    from prefect.schedules import Cron
-    from prefect.settings import get_current_settings
-
     if not get_current_settings().api.url:
         raise ConfigError(
             "PREFECT_API_URL is not set: schedules need a running Prefect server. Start "
@@ -122,8 +127,6 @@ def serve_deployments(root: Path, names: list[str]) -> None:
             raise ConfigError(f"no deployment named {sorted(unknown)} in prefect.yaml ({known})")
         specs = [s for s in specs if s.name in names]
     os.chdir(root)  # the entrypoint is a path relative to the project root
-    from flows.pipeline import pipeline
-
     deployments = [
         pipeline.to_deployment(
             name=spec.name,
@@ -150,13 +153,6 @@ def deploy_train(pool: str, project_dir: str, image: str | None = None) -> str:
     workers first, which Prefect 3.8.8's server refuses (422); and
     `to_deployment().apply()` cannot say where the code already is (a pull step).
     """
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-    from prefect.settings import get_current_settings
-    from prefect.utilities.callables import parameter_schema
-
-    from flows.train_pool import ENTRYPOINT, deployment_name, train_stage
-
     if not get_current_settings().api.url:
         raise ConfigError(
             "PREFECT_API_URL is not set: the deployment goes to the Prefect server that the "
@@ -174,7 +170,7 @@ def deploy_train(pool: str, project_dir: str, image: str | None = None) -> str:
         client.create_deployment(
             flow_id=client.create_flow(train_stage),
             name=pool,
-            entrypoint=ENTRYPOINT,
+            entrypoint=train_pool.ENTRYPOINT,
             work_pool_name=pool,
             pull_steps=[
                 {"prefect.deployments.steps.set_working_directory": {"directory": project_dir}}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import urllib.parse
 
-from training.tracking import redact_uri
+from training.mlops.tracking import redact_uri
 
 OFFLINE_DEFAULTS = {
     # Telemetry calls fail (and log errors) without network.

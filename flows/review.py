@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
 
+from tasks.dvc_stages import StageFailed, dvc_output
 from training.config import load_config
 from training.errors import DataError
-from training.lineage import (
+from training.mlops.lineage import (
     aliases_by_version,
     model_version_url,
     parse_model_ref,
@@ -19,12 +18,13 @@ from training.lineage import (
     run_url,
     ui_base,
 )
-from training.objectives import GATE_METRICS
-from training.project import Project
-from training.tracking import TAG_DATA_VERSION, client, default_tracking_uri
+from training.mlops.tracking import TAG_DATA_VERSION, client
+from training.objectives import TASKS
+from training.project import Project, default_tracking_uri
 
 
 def _prefect_flow_run_url(flow_run_id: str) -> str:
+    # Deferred: Prefect takes ~1 s to import, and only a version trained by a flow needs it.
     from prefect.settings import get_current_settings
 
     base = get_current_settings().ui_url  # derived from PREFECT_API_URL when that is set
@@ -82,19 +82,13 @@ def restore_data(root: Path, ref_text: str, dest: Path) -> Path:
         )
     )
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "dvc", "pull", str(pointer.relative_to(root))],
-            cwd=root,
-            capture_output=True,
-            text=True,
-        )
+        dvc_output(root, "pull", str(pointer.relative_to(root)))
+    except StageFailed as exc:
+        raise DataError(
+            f"dvc could not restore data version {lineage.data_version}: {exc}"
+        ) from exc
     finally:
         pointer.unlink(missing_ok=True)
-    if proc.returncode != 0:
-        raise DataError(
-            f"dvc could not restore data version {lineage.data_version}: "
-            f"{(proc.stdout + proc.stderr)[-2000:]}"
-        )
     return target
 
 
@@ -130,7 +124,8 @@ def runs_text(root: Path, limit: int) -> str:
         started = datetime.fromtimestamp(run.info.start_time / 1000, UTC)
         metrics = run.data.metrics
         task = run.data.params.get("task.type", "classification")
-        metric = GATE_METRICS.get(task, "test_loss")  # each run shows its own task's metric
+        # Each run shows its own task's metric.
+        metric = TASKS[task].gate_metric if task in TASKS else "test_loss"
         rows.append(
             (
                 started.strftime("%Y-%m-%d %H:%M"),

@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 
 from tasks.dvc_stages import (
@@ -84,8 +88,6 @@ def train_stage(
 def _publish(produced: dict[str, Any]) -> None:
     """An artifact of this flow run: the caller's server holds it, whatever machine reads
     it (a flow run's return value stays in the result storage of the machine it ran on)."""
-    from prefect.artifacts import create_markdown_artifact
-
     body = json.dumps(produced, indent=1)
     create_markdown_artifact(
         key=RESULT_KEY,
@@ -108,8 +110,6 @@ def train_on_pool(cfg: Config, root: str, force: bool) -> None:
 
 
 def _run_remote(pool: str, cfg: Config, root: str, force: bool):
-    from prefect.deployments import run_deployment
-
     logger = get_run_logger()
     name = deployment_name(pool)
     variables = _job_variables(pool, cfg)
@@ -138,9 +138,6 @@ def _run_remote(pool: str, cfg: Config, root: str, force: bool):
 def check_train_pool(pool: str) -> dict[str, Any]:
     """Fail at once, naming the fix, when the pool has no train-only deployment; return
     the pool's job variables schema."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
     name = deployment_name(pool)
     with get_client(sync_client=True) as client:
         try:
@@ -160,14 +157,12 @@ def check_train_pool(pool: str) -> dict[str, Any]:
 
 
 def _job_variables(pool: str, cfg: Config) -> dict[str, Any]:
-    """`gpus` = runtime.world_size where the pool's template has that variable (the GPU
+    """`gpus` = runtime.procs_per_node where the pool's template has that variable (the GPU
     template does; a process pool does not)."""
-    return {"gpus": cfg.runtime.world_size} if "gpus" in check_train_pool(pool) else {}
+    return {"gpus": cfg.runtime.procs_per_node} if "gpus" in check_train_pool(pool) else {}
 
 
 def _read_produced(run) -> dict[str, Any]:
-    from prefect.client.orchestration import get_client
-
     # Only the fields given: Prefect 3.8.8's read_artifacts sends explicit nulls for the
     # others, which its own server refuses (422).
     query = {"key": {"any_": [RESULT_KEY]}, "flow_run_id": {"any_": [str(run.id)]}}

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 
 from training.errors import TrackingError
-from training.tracking import default_tracking_uri
+from training.project import default_tracking_uri
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 AUTH_CONFIG = "basic_auth.ini"
@@ -201,6 +201,7 @@ def _allowed_hosts(options: UiOptions) -> str | None:
             extra.append(options.host)
     if not extra:
         return None
+    # Deferred: mlflow's server package takes seconds to import; only this option needs it.
     from mlflow.server.security_utils import get_default_allowed_hosts
 
     names = [*get_default_allowed_hosts(), *extra, *(f"{n}:*" for n in extra if ":" not in n)]

@@ -3,7 +3,10 @@
 A stage's output streams into the task's log as it runs (plain lines in the Prefect UI;
 on a terminal, the stage's own progress bars go straight to it). When a stage fails,
 `gradline stage` leaves a small error record naming the exception and its exit code, so
-the task knows whether a retry can help without parsing DVC's messages.
+the task knows whether a retry can help without parsing DVC's messages. `run_dvc` runs
+the stages and the data transfers; outside a flow (`gradline compare-updates`)
+their output goes to stderr instead of a task log. `dvc_output` runs the quick ones whose
+output is read (`status --json`, a `pull`).
 """
 
 from __future__ import annotations
@@ -14,20 +17,19 @@ import subprocess
 import sys
 import tempfile
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from prefect import get_run_logger, task
 from prefect.runtime import flow_run
 
 from training.atomic import atomic_file
+from training.config import Config
 from training.errors import ERROR_FILE_ENV, GradlineError, is_retryable_exit
-from training.tracking import FLOW_RUN_ENV
-from training.versioning import data_version
-
-if TYPE_CHECKING:
-    from training.config import Config
+from training.mlops.tracking import FLOW_RUN_ENV
+from training.mlops.versioning import data_version
 
 # DVC's hints about git and pushing: the flow acts on them itself.
 _HINTS = ("git add", "To track the changes", "To enable auto staging", "autostage", "dvc push")
@@ -80,10 +82,17 @@ def _stage_failure(args: tuple[str, ...], code: int, record_file: Path, tail: st
     return StageFailed(f"`{command}` failed ({code}):\n{tail}", code, retryable=True)
 
 
-def run_dvc(root: Path, *args: str, record_as: str = "") -> str:
-    """Run a DVC command, streaming its output into the task log; return that output.
-    record_as: the flow run the stage's MLflow run is tagged with (default: this one)."""
-    logger = get_run_logger()
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_dvc(
+    root: Path, *args: str, record_as: str = "", echo: Callable[[str], None] | None = None
+) -> str:
+    """Run a DVC command, streaming its output into the task log (or to `echo`: outside a
+    flow, stderr); return that output. record_as: the flow run the stage's MLflow run is
+    tagged with (default: this one)."""
+    echo = echo or get_run_logger().info
     env = _env(record_as)
     # On a terminal the stage's stderr (progress bars, errors) goes straight to it.
     stderr = None if sys.stderr.isatty() else subprocess.STDOUT
@@ -105,7 +114,7 @@ def run_dvc(root: Path, *args: str, record_as: str = "") -> str:
                 line = raw.rstrip()
                 tail.append(line)
                 if line and not any(h in line for h in _HINTS):
-                    logger.info(line)
+                    echo(line)
         if proc.returncode != 0:
             raise _stage_failure(args, proc.returncode, record_file, "\n".join(tail))
     return "\n".join(tail)
@@ -176,6 +185,12 @@ def write_lock_entry(root: Path, stage: str, entry: dict[str, Any]) -> None:
     document.setdefault("stages", {})[stage] = entry
     with atomic_file(lock, "w") as handle:
         yaml.safe_dump(document, handle, sort_keys=False)
+
+
+def reproduce_shards(root: Path) -> None:
+    """`dvc repro shard` (ingest first if stale) outside a flow, its output on stderr
+    (stdout is the caller's): data/shards as params.yaml makes it."""
+    run_dvc(root, "repro", "shard", echo=_to_stderr)
 
 
 def stale_stages(root: Path, *targets: str) -> dict:

@@ -29,7 +29,7 @@ class QuotaTooSmall(ConfigError):
 
 def devices_here() -> int:
     """What this machine can train on: its GPUs, or its CPU cores when it has none."""
-    import torch
+    import torch  # deferred: ~2 s, and only the first flow on a server creates the limit
 
     # The cores this process may use (affinity, cpusets), not all the host has.
     return torch.cuda.device_count() or len(os.sched_getaffinity(0)) or 1
@@ -51,13 +51,14 @@ def ensure_limit(name: str, slots: int) -> int:
 
 def check_quota(cfg: Config) -> int:
     """Fail at once when the job needs more slots than the limit will ever grant."""
-    name, needed = cfg.orchestrate.device_limit, cfg.runtime.world_size
+    name, needed = cfg.orchestrate.device_limit, cfg.runtime.procs_per_node
     size = ensure_limit(name, cfg.orchestrate.device_slots)
     if needed > size:
         raise QuotaTooSmall(
-            f"runtime.world_size={needed} needs {needed} device slots but the Prefect "
-            f"concurrency limit {name!r} has {size}: lower runtime.world_size, or raise the "
-            f"limit with `prefect global-concurrency-limit update {name} --limit {needed}`"
+            f"runtime.procs_per_node={needed} needs {needed} device slots here but the "
+            f"Prefect concurrency limit {name!r} has {size}: lower runtime.procs_per_node, or "
+            f"raise the limit with `prefect global-concurrency-limit update {name} --limit "
+            f"{needed}`"
         )
     return size
 
@@ -65,7 +66,7 @@ def check_quota(cfg: Config) -> int:
 @contextlib.contextmanager
 def device_slots(cfg: Config) -> Iterator[int]:
     """Hold one slot per training worker for the duration of the block."""
-    name, needed = cfg.orchestrate.device_limit, cfg.runtime.world_size
+    name, needed = cfg.orchestrate.device_limit, cfg.runtime.procs_per_node
     size = check_quota(cfg)
     logger = get_run_logger()
     logger.info("waiting for %d of %d slots of device quota %r", needed, size, name)

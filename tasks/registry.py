@@ -6,11 +6,16 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from tasks.dvc_stages import stale_stages
 from training.config import Config
-from training.project import Project
+from training.data.manifest import read_manifest, split_digest
+from training.mlops.lineage import model_version_url, run_url, ui_base, version_tags
+from training.mlops.registry import gate_score, is_gated, register_and_gate, version_of_run
+from training.mlops.tracking import TAG_DATA_VERSION, client, redact_uri
+from training.project import Project, default_tracking_uri
 
 SUMMARY_KEY = "gradline-run-summary"
 
@@ -68,10 +73,6 @@ class RunSummary:
 
 def _summarize(cfg: Config, root: Path, run_id: str, status: str, verdict: str = "") -> RunSummary:
     """Build the summary from what MLflow recorded for `run_id`."""
-    from training.lineage import model_version_url, run_url, ui_base
-    from training.registry import version_of_run
-    from training.tracking import TAG_DATA_VERSION, client, default_tracking_uri, redact_uri
-
     tracking_uri = default_tracking_uri(root)
     mlflow_client = client(tracking_uri)
     run = mlflow_client.get_run(run_id)
@@ -103,13 +104,7 @@ def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
     DVC decides what changed (`dvc status`: stage deps are the data source, the params
     and the stages' code); the run itself must have finished and been registered.
     """
-    from mlflow.exceptions import MlflowException
-    from prefect import get_run_logger
-
-    from tasks.dvc_stages import stale_stages
-    from training.registry import is_gated
-    from training.stages import read_train_result
-    from training.tracking import client, default_tracking_uri
+    from mlflow.exceptions import MlflowException  # deferred: importing mlflow costs ~1.6 s
 
     logger = get_run_logger()
     paths = Project(Path(root))
@@ -120,7 +115,7 @@ def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
     if changed:
         logger.info("changed since the last run: %s", ", ".join(sorted(changed)))
         return None
-    run_id = read_train_result(paths.train_result)["run_id"]
+    run_id = paths.read_train_result()["run_id"]
     mlflow_client = client(default_tracking_uri(paths.root))
     try:
         finished = mlflow_client.get_run(run_id).info.status == "FINISHED"
@@ -137,19 +132,17 @@ def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
 def register_model(root: str, cfg: Config) -> RunSummary:
     """Register the trained model and gate it on the task's metric against its baseline
     and the champion, both on the current test split."""
-    from training.data.shards import read_manifest, split_digest
-    from training.lineage import version_tags
-    from training.registry import register_and_gate
-    from training.stages import gate_score, read_train_result, rescore_champion
-    from training.tracking import client
+    # Deferred: re-scoring a champion needs torch (~2 s); the rest of the flow runs in
+    # this process without it.
+    from training.mlops.serving import rescore_champion
 
     project = Project(Path(root))
-    trained = read_train_result(project.train_result)
+    trained = project.read_train_result()
     metrics = json.loads(project.metrics.read_text())
     manifest = read_manifest(project.shards)
     tracking_uri = project.tracking_uri
     run_tags = client(tracking_uri).get_run(trained["run_id"]).data.tags
-    score = gate_score(cfg, manifest, metrics)
+    score = gate_score(cfg, metrics)
     registration = register_and_gate(
         tracking_uri,
         cfg.registry.model_name,

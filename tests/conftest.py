@@ -38,7 +38,7 @@ def tiny_token_shards(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("tiny-text")
     data = DataConfig(source="stdlib", max_bytes=120_000, split_by="document")
     raw, quarantine, report = base / "raw", base / "quarantine", base / "report.json"
-    ingest(data, base, raw, quarantine, report, task="language_modeling")
+    ingest(data, base, raw, quarantine, report, labels=None)
     write_shards(ShardConfig(target_shard_mb=0.05), base / "raw", base / "shards", "test-md5")
     return base / "shards"
 
@@ -66,16 +66,15 @@ def copy_project(root: Path) -> Path:
 def train_job(shards: Path, work: Path, cfg, tracking: tuple[str, str] | None = None):
     """The launcher's job for `cfg` on `shards`, its files in `work` (checkpoints under
     ckpt/, the model under model/), tracked into (uri, run id) when given."""
-    from training.engine.loop import TrainJob
+    from training.engine.job import TrainJob
+    from training.mlops.tracking import MlflowSink
 
-    uri, run_id = tracking or (None, None)
     return TrainJob(
         config=cfg.model_dump(),
         shard_dir=str(shards),
         job_dir=str(work / "ckpt"),
         model_dir=str(work / "model"),
-        tracking_uri=uri,
-        run_id=run_id,
+        tracking=MlflowSink(*tracking) if tracking else None,
     )
 
 

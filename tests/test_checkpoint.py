@@ -242,7 +242,7 @@ def test_every_rank_writes_its_part_before_the_checkpoint_completes(tmp_path) ->
 
 
 def test_tracker_links_the_checkpoint_and_ships_it_once(tmp_path) -> None:
-    from training.tracking import _ship, link_checkpoint
+    from training.mlops.tracking import _ship, link_checkpoint
 
     path = _save(tmp_path, 3, keep=1)
     pending = link_checkpoint(path)

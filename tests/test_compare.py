@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from training.compare import parse_rules, plan_comparison
-from training.compare_report import COLUMNS, ChildRun, curves, table_rows
 from training.config import update_params_file
 from training.errors import ConfigError
+from training.mlops.compare import parse_rules, plan_comparison
+from training.mlops.compare_report import COLUMNS, ChildRun, curves, table_rows
 
 from .conftest import REPO, copy_project
 
@@ -38,32 +38,33 @@ def test_bad_rules_are_named(rules: str, message: str) -> None:
 @pytest.mark.parametrize(
     ("slow_rank", "slow_factor", "overrides", "message"),
     [
-        (2, 2.0, [], r"--slow-rank 2: ranks are 0\.\.1 \(runtime\.world_size=2\)"),
+        (2, 2.0, [], r"--slow-rank 2: ranks are 0\.\.1 \(runtime\.procs_per_node=2"),
         (-1, 2.0, [], r"--slow-rank -1: ranks are 0\.\.1"),
         (1, 1.0, [], r"--slow-factor 1: must be above 1"),
         (1, 0.5, [], r"--slow-factor 0\.5: must be above 1"),
         (None, 3.0, [], r"--slow-factor needs --slow-rank"),
         (None, None, ["data.max_rows=10"], r"--set data\.max_rows=10: .*ingest/shard"),
         (None, None, ["shard.val_fraction=0.2"], r"--set shard\.val_fraction=0\.2"),
-        (None, None, ["parallel.update=async"], r"--set parallel\.update=async: .*--rules"),
+        (None, None, ["update.rule=async"], r"--set update\.rule=async: .*--rules"),
+        (None, None, ["task.type=regression"], r"--set task\.type=regression: .*ingest/shard"),
         (None, None, ["optim.lr=fast"], r"optim\.lr"),
     ],
 )
 def test_bad_flags_fail_before_anything_runs(slow_rank, slow_factor, overrides, message) -> None:
-    """Planning only reads params.yaml and dvc.yaml: the repository itself serves."""
+    """Planning only reads params.yaml: the repository itself serves."""
     with pytest.raises(ConfigError, match=message):
         plan_comparison(REPO, ("sync", "local_sgd"), overrides, slow_rank, slow_factor)
 
 
 def test_a_rule_that_cannot_combine_with_the_config_names_the_rule() -> None:
     with pytest.raises(ConfigError, match=r"(?s)--rules local_sgd: .*grad_compression"):
-        plan_comparison(REPO, ("sync", "local_sgd"), ["parallel.grad_compression=fp16"])
+        plan_comparison(REPO, ("sync", "local_sgd"), ["update.grad_compression=fp16"])
 
 
 def test_the_plan_sets_each_rule_and_the_slow_rank_fault(monkeypatch) -> None:
     monkeypatch.delenv("GRADLINE_FAULT", raising=False)
     plan = plan_comparison(REPO, ("local_sgd", "sync"), ["train.max_steps=5"], 1, 3.0)
-    assert {rule: cfg.parallel.update for rule, cfg in plan.children.items()} == {
+    assert {rule: cfg.update.rule for rule, cfg in plan.children.items()} == {
         "local_sgd": "local_sgd",
         "sync": "sync",
     }
@@ -178,7 +179,7 @@ def test_compare_updates_trains_children_under_one_parent(tmp_path, monkeypatch,
     assert set(children) == {"sync", "local_sgd"}
     for rule, child in children.items():
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
-        assert child.data.params["parallel.update"] == rule
+        assert child.data.params["update.rule"] == rule
         assert child.data.params["train.max_steps"] == "12"
         assert child.data.tags["gradline.compare.fault"] == "slow:rank=1:step=0:factor=2"
         assert child.info.status == "FINISHED"

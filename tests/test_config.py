@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from training.config import Config, load_config, parse_override, write_overrides
+from training.config.jobspec import job_key
 from training.errors import ConfigError
 
 from .conftest import REPO
@@ -49,11 +50,21 @@ def test_unknown_section_is_named(params: Path) -> None:
         ("train.lr", "not of the form section.key=value"),
         ("trian.lr=1", "unknown section 'trian'"),
         ("train.rate=1", r"unknown key train\.rate; keys in train are epochs"),
-        ("train.world_size=1", r"train\.world_size; it moved to runtime\.world_size"),
+        ("train.world_size=1", r"train\.world_size; it moved to runtime\.procs_per_node"),
+        ("runtime.world_size=1", r"runtime\.world_size; it moved to runtime\.procs_per_node"),
+        ("parallel.update=async", r"parallel\.update; it moved to update\.rule"),
+        ("parallel.sync_every=4", r"parallel\.sync_every; it moved to update\.sync_every"),
+        ("task.prompts=[a]", r"task\.prompts; it moved to evaluate\.prompts"),
+        ("task.baseline_max_rows=100", r"it moved to evaluate\.baseline_max_rows"),
         ("optim.lr=-1", r"optim\.lr: Input should be greater than 0"),
-        ("runtime.world_size=3", r"multiple of the data-parallel ranks x train\.grad_accum_steps"),
+        ("optim.name=adam", r"optim\.name: Input should be 'adamw' or 'sgd'"),
+        ("optim.momentum=1", r"optim\.momentum: Input should be less than 1"),
+        (
+            "runtime.procs_per_node=3",
+            r"multiple of the data-parallel ranks x train\.grad_accum_steps",
+        ),
         ("parallel.tp=2", r"model mlp supports data parallelism only"),
-        ("parallel.dp_shard=3", r"does not fit runtime\.world_size=2"),
+        ("parallel.dp_shard=3", r"does not fit the job's 2 workers"),
         ("parallel.pp_schedule=zigzag", r"parallel\.pp_schedule"),
         ("shard.test_fraction=0.9", "must be below 1"),
         ("runtime.backend=mpi", r"runtime\.backend: Input should be 'auto', 'gloo' or 'nccl'"),
@@ -61,7 +72,10 @@ def test_unknown_section_is_named(params: Path) -> None:
         ("model.layers=2", r"model\.layers is not a key of model mlp \(its keys: hidden"),
         ("model.name=gpt", r"model\.hidden is not a key of model gpt \(its keys: layers"),
         ("task.type=regression", r"data\.source digits is a classification data set"),
-        ("task.type=language_modeling", r"text sources \(text, stdlib\) train language"),
+        (
+            "task.type=language_modeling",
+            r"task\.type language_modeling does not fit data\.source digits: it learns from tokens",
+        ),
     ],
 )
 def test_bad_override_is_rejected(params: Path, override: str, message: str) -> None:
@@ -102,7 +116,7 @@ def test_examples_rewrite_the_computing_sections_and_validate(params: Path) -> N
     cfg = apply_example(params, "digits-mlp")
     assert cfg.model.options == {"hidden": 256, "depth": 2, "dropout": 0.2}
     assert cfg.data.max_bytes is None and cfg.train.max_steps is None
-    assert cfg.runtime.world_size == runtime_before.world_size
+    assert cfg.runtime.procs_per_node == runtime_before.procs_per_node
     assert "# global batch per optimizer step, split evenly across ranks" in params.read_text()
 
 
@@ -115,12 +129,25 @@ def test_unknown_example_is_named(params: Path) -> None:
     assert params.read_text() == before
 
 
-def test_job_identity_leaves_out_how_the_job_runs() -> None:
-    from training.runs import job_key
+def test_a_moved_key_in_the_file_names_its_new_place(params: Path) -> None:
+    params.write_text(params.read_text().replace("parallel:\n", "parallel:\n  update: async\n", 1))
+    with pytest.raises(
+        ConfigError, match=r"parallel\.update: unknown key; it moved to update\.rule"
+    ):
+        load_config(params)
 
+
+def test_sgd_with_momentum_is_an_optimizer(params: Path) -> None:
+    cfg = load_config(params, ["optim.name=sgd", "optim.momentum=0.8"])
+    assert (cfg.optim.name, cfg.optim.momentum) == ("sgd", 0.8)
+
+
+def test_job_identity_leaves_out_how_the_job_runs() -> None:
     base = Config()
     runtime = base.model_copy(
-        update={"runtime": base.runtime.model_copy(update={"world_size": 4, "log_every_steps": 7})}
+        update={
+            "runtime": base.runtime.model_copy(update={"procs_per_node": 4, "log_every_steps": 7})
+        }
     )
     assert job_key(runtime, "md5") == job_key(base, "md5")
     optim = base.model_copy(update={"optim": base.optim.model_copy(update={"lr": 0.1})})
@@ -129,33 +156,35 @@ def test_job_identity_leaves_out_how_the_job_runs() -> None:
 
 
 def test_update_rule_is_part_of_the_job_and_balance_is_not() -> None:
-    from training.runs import job_key
-
     base = Config()
 
-    def with_parallel(**values) -> Config:
-        return base.model_copy(update={"parallel": base.parallel.model_copy(update=values)})
+    def with_(section: str, **values) -> Config:
+        changed = getattr(base, section).model_copy(update=values)
+        return base.model_copy(update={section: changed})
 
-    assert job_key(with_parallel(update="local_sgd"), "md5") != job_key(base, "md5")
-    assert job_key(with_parallel(grad_compression="fp16"), "md5") != job_key(base, "md5")
-    assert job_key(with_parallel(balance="measured"), "md5") == job_key(base, "md5")
+    assert job_key(with_("update", rule="local_sgd"), "md5") != job_key(base, "md5")
+    assert job_key(with_("update", grad_compression="fp16"), "md5") != job_key(base, "md5")
+    assert job_key(with_("parallel", balance="measured"), "md5") == job_key(base, "md5")
+    # What only evaluation reads changes no job: the prompts are not the model's.
+    assert job_key(with_("evaluate", prompts=["x"]), "md5") == job_key(base, "md5")
 
 
 @pytest.mark.parametrize(
-    ("parallel", "message"),
+    ("update", "parallel", "message"),
     [
-        ({"update": "async", "tp": 2}, "parallel.update=async acts on whole replicas"),
-        ({"balance": "measured", "dp_shard": 2}, "not with parallel.dp_shard=2"),
-        ({"update": "local_sgd", "grad_compression": "powersgd"}, "use one or the other"),
-        ({"update": "async", "balance": "measured"}, "parallel.balance=measured evens out"),
-        ({"update": "diloco", "outer_momentum": 1.0}, "outer_momentum"),
+        ({"rule": "async"}, {"tp": 2}, "update.rule=async acts on whole replicas"),
+        ({}, {"balance": "measured", "dp_shard": 2}, "not with parallel.dp_shard=2"),
+        ({"rule": "local_sgd", "grad_compression": "powersgd"}, {}, "use one or the other"),
+        ({"rule": "async"}, {"balance": "measured"}, "parallel.balance=measured evens out"),
+        ({"rule": "diloco", "outer_momentum": 1.0}, {}, "outer_momentum"),
     ],
 )
-def test_update_rules_that_cannot_combine_are_refused_by_name(parallel, message) -> None:
+def test_update_rules_that_cannot_combine_are_refused_by_name(update, parallel, message) -> None:
     raw = {
         "model": {"name": "gpt", "layers": 2, "heads": 2, "width": 32, "context": 16},
         "data": {"source": "stdlib"},
         "task": {"type": "language_modeling"},
+        "update": update,
         "parallel": parallel,
     }
     with pytest.raises(ValueError, match=message):

@@ -24,15 +24,14 @@ from training.data.loader import (
     rank_slice,
     strided_rows,
 )
-from training.data.shards import (
+from training.data.manifest import (
     MANIFEST_VERSION,
-    RunningMoments,
     file_sha256,
     read_manifest,
     split_codes,
     split_shards,
-    write_shards,
 )
+from training.data.shards import RunningMoments, write_shards
 from training.data.sources import RawLayout, to_table
 from training.errors import DataError
 

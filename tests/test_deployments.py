@@ -21,7 +21,7 @@ from training.errors import (
     TrackingError,
     is_retryable_exit,
 )
-from training.lineage import ModelRef, parse_model_ref
+from training.mlops.lineage import ModelRef, parse_model_ref
 from training.progress import Progress
 
 from .conftest import REPO

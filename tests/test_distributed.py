@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from training.config import Config, load_config, update_params_file, write_overrides
+from training.config import Config, jobspec, load_config, update_params_file, write_overrides
 from training.engine.launch import PREEMPTED_EXIT_CODE, TrainingFailed, launch_workers
-from training.models import load_model_dir
-from training.tracking import client, ensure_experiment
+from training.mlops.tracking import client, ensure_experiment
+from training.models.folder import load_model_dir
 
 from .conftest import REPO, train_job
 
@@ -119,7 +119,7 @@ def test_killed_rank_is_restarted_and_ends_bitwise_identical(
     monkeypatch.setenv("GRADLINE_FAULT", "kill:rank=1:step=20:attempt=0")
     uri, run_id = _new_run(tmp_path)
     job = _job(_shards(workload, request), tmp_path, _config(workload), (uri, run_id))
-    result = launch_workers(job, world_size=2, max_restarts=2)
+    result = launch_workers(job, procs_per_node=2, max_restarts=2)
     assert _identical(_weights(tmp_path / "model"), expected)
     mlflow = client(uri)
     steps = [m.step for m in mlflow.get_metric_history(run_id, "train_loss")]
@@ -140,7 +140,7 @@ def test_rank_failing_every_attempt_fails_the_job_naming_it(
     monkeypatch.setenv("GRADLINE_FAULT", "fail:rank=1:step=3")
     started = time.monotonic()
     with pytest.raises(TrainingFailed) as failure:
-        launch_workers(_job(tiny_shards, tmp_path, _config()), world_size=2, max_restarts=1)
+        launch_workers(_job(tiny_shards, tmp_path, _config()), procs_per_node=2, max_restarts=1)
     assert time.monotonic() - started < 90
     message = str(failure.value)
     assert "after 2 attempt(s)" in message
@@ -154,7 +154,7 @@ def test_stalled_rank_fails_the_job_naming_it_within_the_timeout(
     monkeypatch.setenv("GRADLINE_FAULT", "stall:rank=1:step=4")
     cfg = _config(runtime={"collective_timeout_s": timeout})
     with pytest.raises(TrainingFailed) as failure:
-        launch_workers(_job(tiny_shards, tmp_path, cfg), world_size=2, max_restarts=0)
+        launch_workers(_job(tiny_shards, tmp_path, cfg), procs_per_node=2, max_restarts=0)
     # The heartbeats came through the control store, not files: stall to failure is
     # within the collective timeout.
     found = re.search(r"rank 1 stopped at step 4 in data \(([0-9.]+) s before", str(failure.value))
@@ -172,7 +172,7 @@ def test_slow_rank_is_reported_as_a_straggler(tiny_shards, tmp_path, monkeypatch
         train={"epochs": 1}, runtime={"straggler_factor": 1.5, "checkpoint_every_steps": 1000}
     )
     result = launch_workers(
-        _job(tiny_shards, tmp_path, cfg, (uri, run_id)), world_size=2, max_restarts=0
+        _job(tiny_shards, tmp_path, cfg, (uri, run_id)), procs_per_node=2, max_restarts=0
     )
     assert set(result["stragglers"]) == {"1"}
     run = client(uri).get_run(run_id)
@@ -195,11 +195,11 @@ def test_sigterm_checkpoints_exits_distinctly_and_resumes(
     shutil.copy(REPO / "dvc.yaml", project / "dvc.yaml")
     shutil.copy(REPO / "params.yaml", project / "params.yaml")
     cfg = _config(workload)
-    sections = ("data", "task", "model", "optim", "train", "runtime")
+    sections = ("data", "task", "model", "optim", "train", "update", "runtime")
     changes = {section: getattr(cfg, section).model_dump() for section in sections}
     update_params_file(project / "params.yaml", changes, replace=frozenset({"model"}))
     written = load_config(project / "params.yaml")
-    assert written.identity() == cfg.identity()
+    assert jobspec.job_identity(written) == jobspec.job_identity(cfg)
     command = [
         str(Path(sys.executable).parent / "gradline"),
         *("stage", "train", "--shards", str(shards), "--model", "model"),
@@ -220,7 +220,7 @@ def test_sigterm_checkpoints_exits_distinctly_and_resumes(
     assert (job_dir / f"step-{stopped:08d}").is_dir()  # checkpointed at the stop step
     assert not (project / "model").exists()
 
-    write_overrides(project / "params.yaml", [f"runtime.world_size={resume_world_size}"])
+    write_overrides(project / "params.yaml", [f"runtime.procs_per_node={resume_world_size}"])
     resumed = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "(resumed)" in resumed.stderr
@@ -233,7 +233,7 @@ def test_sigterm_checkpoints_exits_distinctly_and_resumes(
     mlflow = client(f"sqlite:///{project / 'mlflow' / 'mlflow.db'}")
     assert len(mlflow.search_runs([mlflow.get_run(run_id).info.experiment_id])) == 1
     run = mlflow.get_run(run_id)
-    assert run.data.tags["gradline.runtime.world_size"] == str(resume_world_size)
+    assert run.data.tags["gradline.runtime.procs_per_node"] == str(resume_world_size)
     steps = [m.step for m in mlflow.get_metric_history(run_id, "train_loss")]
     assert steps == sorted(set(steps)) == list(range(1, len(steps) + 1))
 
@@ -267,7 +267,7 @@ def _assert_agree(workload: str, model_dir: Path, expected, shards: Path) -> Non
             torch.testing.assert_close(weights[key], value, rtol=tol, atol=tol / 10)
         return
     from training.data.loader import open_reader
-    from training.data.shards import read_manifest
+    from training.data.manifest import read_manifest
 
     context = WORKLOADS[workload]["model"].get("context")
     reader = open_reader(shards, read_manifest(shards), "val", context=context)

@@ -1,6 +1,7 @@
-"""dvc.yaml and the code agree: every computing parameter is a stage dependency and no
-run-only one is, every stage reads and writes the paths the code's project layout names,
-and a change to a stage's code makes that stage (and only what depends on it) stale."""
+"""dvc.yaml and the code agree: each stage's params are exactly the keys JobSpec says it
+reads (and no run-only key is one), every stage reads and writes the paths the code's
+project layout names, and a change to a stage's code makes that stage (and only what
+depends on it) stale."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from training.config import OPEN_SECTIONS, Config, is_tracked
+from training.config import Config, jobspec
 from training.project import Project
 
 from .conftest import REPO, copy_project
@@ -20,22 +21,47 @@ from .conftest import REPO, copy_project
 DVC = yaml.safe_load((REPO / "dvc.yaml").read_text())
 
 
-def _declared() -> set[str]:
-    return {p for stage in DVC["stages"].values() for p in stage.get("params", [])}
+@pytest.mark.parametrize("stage", jobspec.STAGES)
+def test_each_stage_lists_exactly_the_params_jobspec_gives_it(stage) -> None:
+    assert DVC["stages"][stage].get("params", []) == jobspec.stage_params(stage)
 
 
-def test_every_computing_parameter_is_a_stage_dependency() -> None:
-    declared = _declared()
+def test_run_only_keys_are_no_stage_params_and_every_key_has_one_use() -> None:
+    declared = {p for stage in DVC["stages"].values() for p in stage.get("params", [])}
     for key in Config().flat():
+        use = jobspec.use(key)  # raises KeyError for a section JobSpec does not know
         section = key.split(".")[0]
-        if not is_tracked(key):
+        if not use.stages:
             assert key not in declared and section not in declared, key
-        elif section in OPEN_SECTIONS:  # keys vary by model: the section is the dep
-            assert section in declared, section
-        else:
-            assert key in declared, key
-    known = set(Config().flat()) | OPEN_SECTIONS
-    assert declared <= known, declared - known
+        if use.in_job_key or use.decides_data:
+            assert use.mlflow == "param", key
+
+
+def test_the_job_key_holds_what_computes_the_model_and_nothing_about_how_it_runs() -> None:
+    base = Config()
+    key = jobspec.job_key(base, "md5")
+    computes = [
+        "optim.lr=0.01",
+        "update.rule=local_sgd",
+        "shard.val_fraction=0.2",
+        "task.type=regression",
+    ]
+    runs = [
+        "runtime.procs_per_node=4",
+        "parallel.dp_shard=2",
+        "evaluate.top_k=5",
+        "registry.model_name=x",
+    ]
+    for change in computes + runs:
+        section, _, rest = change.partition(".")
+        name, _, value = rest.partition("=")
+        values = base.model_dump()
+        values[section][name] = yaml.safe_load(value)
+        if section == "task":  # the task must fit the data
+            values["data"]["source"] = "diabetes"
+        changed = jobspec.job_key(Config.model_validate(values), "md5")
+        assert (changed != key) == (change in computes), change
+    assert jobspec.job_key(base, "other-md5") != key
 
 
 def test_stage_paths_match_project_layout() -> None:
@@ -96,12 +122,14 @@ def locked(tmp_path_factory) -> Path:
         ("training/data/tokens.py", {"shard", "train", "evaluate"}),
         ("training/models/mlp.py", {"train", "evaluate"}),
         ("training/engine/loop.py", {"train", "evaluate"}),
-        ("training/objectives.py", {"train", "evaluate"}),
-        ("training/evaluate.py", {"evaluate"}),
+        ("training/objectives/classification.py", {"train", "evaluate"}),
+        ("training/engine/layouts.py", {"train", "evaluate"}),
+        ("training/evaluation.py", {"evaluate"}),
         # Code that only reports or runs the job computes nothing: changing it never retrains.
         ("training/engine/intervals.py", set()),
         ("training/engine/launch.py", set()),
-        ("training/tracking.py", set()),
+        ("training/mlops/tracking.py", set()),
+        ("training/mlops/jobs.py", set()),
         ("training/progress.py", set()),
     ],
 )

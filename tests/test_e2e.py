@@ -93,8 +93,8 @@ def test_run_trains_evaluates_and_registers(first_run) -> None:
     assert run.data.tags["gradline.prefect_flow_run_id"]
     assert len(run.data.tags["mlflow.source.git.commit"]) == 40
     assert run.data.params["train.epochs"] == "8"
-    assert "runtime.world_size" not in run.data.params  # how it ran: a tag, not a param
-    assert run.data.tags["gradline.runtime.world_size"] == "2"
+    assert "runtime.procs_per_node" not in run.data.params  # how it ran: a tag, not a param
+    assert run.data.tags["gradline.runtime.procs_per_node"] == "2"
     (dataset,) = [d.dataset for d in run.inputs.dataset_inputs]
     assert dataset.digest == raw_md5 and dataset.name == "digits-raw"
     assert json.loads(dataset.source)["uri"].endswith("/data/raw")
@@ -230,7 +230,7 @@ def test_language_model_example_samples_text_and_generates_through_pyfunc(tmp_pa
         "model.layers=2",
         "model.width=64",
         "model.context=64",
-        "task.max_new_tokens=20",
+        "evaluate.max_new_tokens=20",
         "parallel.tp=2",  # tensor parallel over both ranks: heads and MLP split in two
     )
     project, run_id = _example_project(tmp_path, "stdlib-gpt", *small)

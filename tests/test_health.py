@@ -16,8 +16,8 @@ def test_a_failure_record_carries_the_rank_s_last_step() -> None:
     fast, slow = Heartbeat(worker, rank=0), Heartbeat(worker, rank=1, interval_s=3600)
     fast.beat(25, "sync")
     slow.beat(25, "compute")  # the periodic publisher has not run yet
-    record_failure(worker, 0, RuntimeError("connection closed by peer"))
-    record_failure(worker, 1, RuntimeError("injected failure at step 25"))
+    record_failure(worker, 0, 0, RuntimeError("connection closed by peer"))
+    record_failure(worker, 1, 0, RuntimeError("injected failure at step 25"))
     beats = {b["rank"]: (b["step"], b["phase"]) for b in launcher.beats(ranks=4)}
     assert beats == {0: (25, "sync"), 1: (25, "compute")}
     assert describe(launcher.beats(ranks=2)).startswith("rank 1 stopped at step 25 in compute")

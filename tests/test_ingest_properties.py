@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from training.config import DataConfig
 from training.data.ingest import QUARANTINE_FILE, ingest
 from training.errors import USER_ERROR_EXIT_CODE, DataError, is_retryable_exit
+from training.objectives import TASKS
 
 from .conftest import copy_project
 
@@ -161,7 +162,7 @@ def ingest_holds_its_promise(content: bytes, fmt: str, options: dict) -> DataErr
         raw, quarantine, report_path = root / "raw", root / "quarantine", root / "report.json"
         before = (_tree(raw), _tree(quarantine))
         try:
-            report = ingest(cfg, root, raw, quarantine, report_path, task=task)
+            report = ingest(cfg, root, raw, quarantine, report_path, labels=TASKS[task].labels)
         except DataError as exc:
             assert f"incoming/{name}" in str(exc), str(exc)
             assert (_tree(raw), _tree(quarantine)) == before

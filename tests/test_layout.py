@@ -14,8 +14,8 @@ from training.engine.comm import ring_bytes
 from training.engine.pipeline import stage_indices
 from training.engine.topology import Topology
 from training.errors import ConfigError
-from training.models import build_model, check_buildable
 from training.models.gpt import GPT
+from training.models.registry import build_model, check_buildable
 
 GPT_JOB = {
     "data": {"source": "stdlib"},
@@ -36,7 +36,8 @@ def _gpt_config(world: int, parallel: dict, model: dict | None = None, train: di
     spec = copy.deepcopy(GPT_JOB)
     spec["model"].update(model or {})
     spec["train"].update(train or {})
-    return Config.model_validate({**spec, "runtime": {"world_size": world}, "parallel": parallel})
+    runtime = {"procs_per_node": world}
+    return Config.model_validate({**spec, "runtime": runtime, "parallel": parallel})
 
 
 @pytest.mark.parametrize(
@@ -70,7 +71,7 @@ def test_mesh_sizes_resolve_against_the_world_size(world, parallel, mesh) -> Non
         (2, {"pp": 2}, {"tied_embeddings": True}, {}, r"set model\.tied_embeddings: false"),
         (2, {"pp": 2}, {}, {"grad_accum_steps": 2}, r"pp_microbatches"),
         (2, {"pp": 2, "pp_microbatches": 3}, {}, {}, r"must divide"),
-        (4, {"dp_shard": 3}, {}, {}, r"does not fit runtime\.world_size=4"),
+        (4, {"dp_shard": 3}, {}, {}, r"does not fit the job's 4 workers"),
         (2, {"dp_shard": -1, "tp": -1}, {}, {}, r"only one mesh size may be -1"),
         (2, {"param_dtype": "bf16"}, {}, {}, r"apply to sharded parameters"),
         (2, {"tp": 2}, {}, {"compile": True}, r"train\.compile works with plain data parallelism"),
@@ -95,7 +96,7 @@ def test_a_user_model_without_plans_cannot_be_split() -> None:
 
 def test_rank_coordinates_put_tp_innermost_and_share_rows_within_tp_and_pp() -> None:
     mesh = {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
-    topos = [Topology(r, 8, r, "gloo", torch.device("cpu")).with_mesh(mesh) for r in range(8)]
+    topos = [Topology(r, 8, r, "gloo", torch.device("cpu")).with_shape(mesh) for r in range(8)]
     assert [t.coordinate("tp") for t in topos] == [0, 1] * 4
     assert [t.coordinate("pp") for t in topos] == [0] * 4 + [1] * 4
     assert [t.dp_rank for t in topos] == [0, 0, 1, 1, 0, 0, 1, 1]

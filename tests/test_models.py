@@ -18,19 +18,14 @@ from pydantic import ValidationError
 from training.config import ModelConfig
 from training.data.spec import DataSpec
 from training.data.tokenizer import ByteTokenizer
-from training.errors import ConfigError, ProjectError
-from training.models import (
-    ModelSpec,
-    build_model,
-    check_buildable,
-    context_length,
-    example_input,
-    load_model_dir,
-    load_registered_model,
-    save_model_dir,
-)
-from training.models.gpt import GPT, generate
+from training.errors import ConfigError, DataError, ProjectError
+from training.mlops.serving import load_registered_model
+from training.models.folder import ModelSpec, load_model_dir, save_model_dir
+from training.models.gpt import GPT
+from training.models.registry import build_model, check_buildable, context_length, example_input
 from training.models.standardize import Standardized
+from training.objectives import Generation
+from training.objectives.language_modeling import generate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +77,7 @@ def run(model: torch.nn.Module, x: np.ndarray) -> torch.Tensor:
 def test_builtins_build_for_their_data_with_the_tasks_output(name, task, data, shape):
     cfg = model_cfg(name)
     check_buildable(cfg, task, data)
-    x = example_input(cfg, task, data)
+    x = example_input(cfg, data)
     assert x.dtype == (np.int64 if data.kind == "tokens" else np.float32)
     assert tuple(run(build_model(cfg, task, data), x).shape) == shape
 
@@ -90,7 +85,7 @@ def test_builtins_build_for_their_data_with_the_tasks_output(name, task, data, s
 def test_the_cnn_takes_flattened_rows_too():
     cfg = model_cfg("cnn")
     model = build_model(cfg, "classification", IMAGE)
-    x = example_input(cfg, "classification", IMAGE)
+    x = example_input(cfg, IMAGE)
     assert torch.equal(run(model, x), run(model, x.reshape(2, 64)))
 
 
@@ -101,7 +96,8 @@ def test_a_model_the_task_cannot_use_is_a_config_error_naming_the_fix():
         build_model(model_cfg("cnn"), "classification", TABLE)
     with pytest.raises(ConfigError, match=r"model mlp cannot learn task language_modeling"):
         build_model(model_cfg("mlp"), "language_modeling", TOKENS)
-    with pytest.raises(ConfigError, match=r"data\.num_classes"):
+    # The task's objective refuses data it cannot learn before any model is built.
+    with pytest.raises(DataError, match=r"no num_classes \(float labels\?\); set task\.type"):
         build_model(model_cfg("mlp"), "classification", TABLE_REG)
 
 
@@ -115,11 +111,11 @@ def test_a_bad_option_names_the_key():
 
 
 def test_context_length_is_the_language_models_window():
-    assert context_length(model_cfg("mlp"), "classification") is None
-    assert context_length(model_cfg("gpt"), "language_modeling") == 12
-    assert context_length(ModelConfig(name="gpt"), "language_modeling") == 128  # the default
+    assert context_length(model_cfg("mlp"), "table") is None
+    assert context_length(model_cfg("gpt"), "tokens") == 12
+    assert context_length(ModelConfig(name="gpt"), "tokens") == 128  # the default
     user = user_cfg("tiny_language_model", context=32)
-    assert context_length(user, "language_modeling") == 32
+    assert context_length(user, "tokens") == 32
     with pytest.raises(ConfigError, match=r"needs model\.context"):
         check_buildable(user_cfg("tiny_language_model"), "language_modeling", TOKENS)
 
@@ -130,14 +126,14 @@ def test_context_length_is_the_language_models_window():
 def test_tables_are_standardized_inside_the_model():
     model = build_model(model_cfg("mlp"), "classification", TABLE)
     assert isinstance(model, Standardized)
-    raw = example_input(model_cfg("mlp"), "classification", TABLE, batch=5)
+    raw = example_input(model_cfg("mlp"), TABLE, batch=5)
     standardized = (raw - np.array(MEAN, np.float32)) / np.array(STD, np.float32)
     assert torch.allclose(run(model, raw), run(model.model, standardized), atol=1e-5)
 
 
 def test_regression_predicts_in_the_labels_units():
     model = build_model(model_cfg("mlp"), "regression", TABLE_REG)
-    raw = example_input(model_cfg("mlp"), "regression", TABLE_REG, batch=5)
+    raw = example_input(model_cfg("mlp"), TABLE_REG, batch=5)
     standardized = (raw - np.array(MEAN, np.float32)) / np.array(STD, np.float32)
     inner = run(model.model, standardized)
     assert inner.shape == (5, 1)
@@ -287,7 +283,7 @@ def test_model_folder_round_trip(tmp_path):
     assert DataSpec.from_dict(saved["data"]) == TABLE_REG
     loaded, loaded_spec = load_model_dir(folder)
     assert loaded_spec == ModelSpec.from_dict(spec.to_dict()) and not loaded.training
-    x = example_input(cfg, "regression", TABLE_REG, batch=4)
+    x = example_input(cfg, TABLE_REG, batch=4)
     assert torch.equal(run(model, x), run(loaded, x))
 
 
@@ -321,9 +317,12 @@ def tracking(tmp_path_factory):
     return uri, client.create_run(experiment).info.run_id, base
 
 
-def log_and_load(tracking, tmp_path, cfg, task, data, model=None, **log_args):
+DEFAULT_GENERATION = Generation(("def ",), 120, 0.8, 40, 0)
+
+
+def log_and_load(tracking, tmp_path, cfg, task, data, model=None, generation=DEFAULT_GENERATION):
     import mlflow
-    from training.serving import log_pyfunc_model
+    from training.mlops.serving import log_pyfunc_model
 
     uri, run_id, base = tracking
     model = model if model is not None else build_model(cfg, task, data)
@@ -332,7 +331,7 @@ def log_and_load(tracking, tmp_path, cfg, task, data, model=None, **log_args):
         tokenizer = tmp_path / "tokenizer.json"
         ByteTokenizer().save(tokenizer)
     save_model_dir(model, ModelSpec.create(task, cfg, data), tmp_path / "model", tokenizer)
-    model_uri = log_pyfunc_model(uri, run_id, tmp_path / "model", **log_args)
+    model_uri = log_pyfunc_model(uri, run_id, tmp_path / "model", generation)
     # Logged into the run's experiment, with its artifacts in that experiment's store.
     client = mlflow.MlflowClient(uri)
     logged = client.get_logged_model(model_uri.rpartition("/")[2])
@@ -349,7 +348,7 @@ def test_a_table_model_predicts_classes_from_named_columns(tracking, tmp_path):
     data = DataSpec("table", (12,), 3, feature_mean=MEAN, feature_std=STD, feature_names=names)
     cfg = model_cfg("mlp")
     model, loaded, _ = log_and_load(tracking, tmp_path, cfg, "classification", data)
-    rows = example_input(cfg, "classification", data, batch=6)
+    rows = example_input(cfg, data, batch=6)
     expected = run(model, rows).argmax(1).numpy()
     frame = pd.DataFrame(rows.astype(np.float64), columns=names)
     assert np.array_equal(loaded.predict(frame), expected)
@@ -363,7 +362,7 @@ def test_a_table_model_predicts_classes_from_named_columns(tracking, tmp_path):
 def test_a_regression_model_predicts_values_in_the_labels_units(tracking, tmp_path):
     cfg = model_cfg("mlp")
     model, loaded, _ = log_and_load(tracking, tmp_path, cfg, "regression", TABLE_REG)
-    rows = example_input(cfg, "regression", TABLE_REG, batch=4)
+    rows = example_input(cfg, TABLE_REG, batch=4)
     frame = pd.DataFrame(rows.astype(np.float64), columns=[f"f{i}" for i in range(12)])
     predicted = loaded.predict(frame)
     assert predicted.dtype == np.float32 and predicted.shape == (4,)
@@ -385,16 +384,10 @@ def test_an_image_model_predicts_classes_from_arrays(tracking, tmp_path):
 
 def test_a_language_model_turns_prompts_into_text_with_generation_params(tracking, tmp_path):
     cfg = model_cfg("gpt", layers=1)
-    generation = {"max_new_tokens": 6, "temperature": 0.8, "top_k": None, "seed": 3}
+    generation = Generation(("def ", "x = "), 6, 0.8, None, 3)
     data = DataSpec("tokens", vocab_size=257)  # the byte tokenizer's
     _, loaded, _ = log_and_load(
-        tracking,
-        tmp_path,
-        cfg,
-        "language_modeling",
-        data,
-        generation=generation,
-        prompts=["def ", "x = "],
+        tracking, tmp_path, cfg, "language_modeling", data, generation=generation
     )
     params = {p.name: p.default for p in loaded.metadata.signature.params.params}
     assert params == {"max_new_tokens": 6, "temperature": 0.8, "top_k": 0, "seed": 3}
@@ -413,7 +406,7 @@ def test_a_user_model_trains_saves_logs_and_loads_elsewhere(tracking, tmp_path):
     data = TABLE
     torch.manual_seed(0)
     model = build_model(cfg, "classification", data)
-    rows = torch.from_numpy(example_input(cfg, "classification", data, batch=32))
+    rows = torch.from_numpy(example_input(cfg, data, batch=32))
     labels = torch.arange(32) % 3
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     for _ in range(5):
@@ -451,7 +444,7 @@ def test_a_user_model_trains_saves_logs_and_loads_elsewhere(tracking, tmp_path):
 
 
 def test_a_user_models_code_travels_as_files_or_as_a_requirement():
-    from training.serving import _user_code
+    from training.mlops.serving import _user_code
 
     assert _user_code("tests.user_models:tiny_net") == (REPO / "tests", None)
     assert _user_code("json.decoder:JSONDecoder") == (None, None)  # the standard library

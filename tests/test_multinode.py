@@ -21,9 +21,9 @@ import torch
 from training.config import Config, update_params_file
 from training.engine.launch import free_port
 from training.errors import PREEMPTED_EXIT_CODE, ConfigError
-from training.models import load_model_dir
-from training.runs import check_checkpoint_location
-from training.tracking import client, ensure_experiment
+from training.mlops.runs import check_checkpoint_location
+from training.mlops.tracking import client, ensure_experiment
+from training.models.folder import load_model_dir
 
 from .conftest import REPO
 from .test_deploy_recipes import FAKE_SCONTROL, FAKE_SRUN, SBATCH
@@ -36,7 +36,7 @@ PARAMS = {
     "optim": {"lr": 0.01, "warmup_steps": 5},
     "train": {"epochs": 3, "batch_size": 32, "deterministic": True},
     "runtime": {
-        "world_size": 1,
+        "procs_per_node": 1,
         "checkpoint_every_steps": 8,
         "log_every_steps": 4,
         "control_every_steps": 2,
@@ -117,7 +117,7 @@ _reference_weights: list[dict[str, torch.Tensor]] = []
 def _reference(cluster: Cluster) -> dict[str, torch.Tensor]:
     """One node with two ranks, the same job otherwise (run once per session)."""
     if not _reference_weights:
-        folder = cluster.node("one-node", world_size=2)
+        folder = cluster.node("one-node", procs_per_node=2)
         proc = cluster.start(folder)
         _wait([proc], [folder])
         _reference_weights.append(_weights(folder / "model"))

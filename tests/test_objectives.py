@@ -3,11 +3,8 @@ routine, baselines on tiny data, the gate's direction, and the evaluate stage's 
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -23,12 +20,10 @@ from sklearn.metrics import (
 
 from training.data.spec import DataSpec
 from training.errors import ConfigError, DataError
-from training.evaluate import (
-    plot_loss_curves,
-    sample_text,
-    write_prediction_artifacts,
-)
-from training.objectives import Predictions, objective_for
+from training.objectives import Generation, objective_for
+from training.objectives.base import Predictions, Scored
+from training.objectives.language_modeling import sample_text
+from training.plots import plot_loss_curves
 
 BYTES_VOCAB = 257  # 256 byte values and the end-of-document token
 EOT = 256
@@ -64,10 +59,19 @@ def regression(label_mean: float = 0.0, label_std: float = 1.0):
     return objective_for("regression", spec)
 
 
+class TokenBytes:
+    """A stand-in tokenizer that only says how many bytes each token id stands for."""
+
+    def __init__(self, token_bytes: np.ndarray) -> None:
+        self.values = token_bytes
+
+    def token_bytes(self) -> np.ndarray:
+        return self.values
+
+
 def language_model(token_bytes: np.ndarray | None = None):
-    return objective_for(
-        "language_modeling", DataSpec("tokens", vocab_size=BYTES_VOCAB), token_bytes
-    )
+    tokenizer = None if token_bytes is None else TokenBytes(token_bytes)
+    return objective_for("language_modeling", DataSpec("tokens", vocab_size=BYTES_VOCAB), tokenizer)
 
 
 # --- metric formulas -------------------------------------------------------------------
@@ -203,11 +207,11 @@ def test_score_is_the_same_for_any_batch_size_and_restores_train_mode() -> None:
         reduced.append(stats.clone())
         return stats
 
-    scored = objective.score_with_predictions(model, reader, rows, 10, "cpu", reduce)
+    scored = objective.score(model, reader, rows, 10, "cpu", reduce, keep_predictions=True)
     assert model.training, "score must give the model back in train mode"
     assert len(reduced) == 1, "statistics are reduced once, after the last batch"
     for batch_size in (1, 33, 1000):
-        again = objective.score(model, reader, rows, batch_size, "cpu")
+        again = objective.score(model, reader, rows, batch_size, "cpu").metrics
         assert again == pytest.approx(scored.metrics)
 
     # Predictions in row order, and the metrics agree with them (no dropout at eval).
@@ -221,14 +225,16 @@ def test_score_is_the_same_for_any_batch_size_and_restores_train_mode() -> None:
 
 def test_score_of_no_rows_gives_nan_rather_than_an_error() -> None:
     reader = ArrayReader(np.zeros((0, 3), np.float32), np.zeros(0, np.float32))
-    metrics = regression().score(torch.nn.Linear(3, 1), reader, np.arange(0), 8, "cpu")
+    metrics = regression().score(torch.nn.Linear(3, 1), reader, np.arange(0), 8, "cpu").metrics
     assert math.isnan(metrics["test_rmse"])
 
 
 def test_score_uses_the_prefix_it_is_given() -> None:
     reader = ArrayReader(np.ones((4, 3), np.float32), np.ones(4, np.float32))
-    metrics = regression().score(
-        torch.nn.Linear(3, 1), reader, np.arange(4), 2, "cpu", prefix="val"
+    metrics = (
+        regression()
+        .score(torch.nn.Linear(3, 1), reader, np.arange(4), 2, "cpu", prefix="val")
+        .metrics
     )
     assert set(metrics) == {"val_rmse", "val_mae", "val_r2", "val_loss"}
 
@@ -322,7 +328,9 @@ def test_objective_for_names_the_fix_when_task_and_data_disagree() -> None:
     with pytest.raises(DataError, match="text source"):
         objective_for("language_modeling", DataSpec("table", (3,), num_classes=2))
     with pytest.raises(DataError, match="re-run shard"):
-        objective_for("language_modeling", DataSpec("tokens", vocab_size=10), np.ones(9))
+        objective_for(
+            "language_modeling", DataSpec("tokens", vocab_size=10), TokenBytes(np.ones(9))
+        )
     with pytest.raises(ConfigError, match="not one of"):
         objective_for("ranking", DataSpec("table", (3,), num_classes=2))
 
@@ -330,17 +338,22 @@ def test_objective_for_names_the_fix_when_task_and_data_disagree() -> None:
 # --- the evaluate stage's files ------------------------------------------------------------
 
 
+def _artifacts(objective, predictions: Predictions, folder) -> list:
+    folder.mkdir()
+    generation = Generation((), 1, 1.0, None, 0)
+    return objective.artifacts(None, Scored({}, predictions), folder, generation, None)
+
+
 def test_prediction_artifacts_per_task(tmp_path) -> None:
     labels = np.array([0, 1, 2, 1])
-    made = write_prediction_artifacts(
-        "classification", Predictions(labels, np.array([0, 1, 1, 1])), 3, tmp_path / "cls"
-    )
+    predictions = Predictions(labels, np.array([0, 1, 1, 1]))
+    made = _artifacts(classification(3), predictions, tmp_path / "cls")
     assert [p.name for p in made] == ["confusion_matrix.png"] and made[0].stat().st_size > 0
     rows = json.loads((tmp_path / "cls" / "predictions.json").read_text())
     assert rows[2] == {"actual": 2, "predicted": 1}
 
     values = Predictions(np.array([1.5, 2.0], np.float32), np.array([1.25, 2.5], np.float32))
-    made = write_prediction_artifacts("regression", values, None, tmp_path / "reg")
+    made = _artifacts(regression(), values, tmp_path / "reg")
     assert [p.name for p in made] == ["predicted_vs_actual.png"] and made[0].stat().st_size > 0
     rows = json.loads((tmp_path / "reg" / "predictions.json").read_text())
     assert rows == [{"actual": 1.5, "predicted": 1.25}, {"actual": 2.0, "predicted": 2.5}]
@@ -381,48 +394,29 @@ class FavouriteToken(torch.nn.Module):
         return self.bias.expand(*ids.shape, BYTES_VOCAB)
 
 
-def _stand_in_generate(model, ids, max_new_tokens, temperature, top_k, context, generator=None):
-    for _ in range(max_new_tokens):
-        logits = model(ids[:, -context:])[:, -1, :] / temperature
-        if top_k is not None:
-            kth = torch.topk(logits, top_k).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, -math.inf)
-        probs = torch.softmax(logits, dim=-1)
-        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
-    return ids
+def _samples(model, prompts, max_new_tokens, temperature, top_k, context, seed) -> str:
+    generation = Generation(tuple(prompts), max_new_tokens, temperature, top_k, seed)
+    return sample_text(model, ByteTokenizer(), generation, context)
 
 
-@pytest.fixture
-def generate_available(monkeypatch):
-    """Use training.models.gpt.generate when it exists; a stand-in of its contract if not."""
-    try:
-        importlib.import_module("training.models.gpt")
-    except ImportError:
-        stand_in = types.ModuleType("training.models.gpt")
-        stand_in.generate = _stand_in_generate
-        monkeypatch.setitem(sys.modules, "training.models.gpt", stand_in)
-
-
-def test_sample_text_continues_each_prompt_and_stops_at_end_of_document(
-    generate_available,
-) -> None:
+def test_sample_text_continues_each_prompt_and_stops_at_end_of_document() -> None:
     model = FavouriteToken(ord("a"))
     model.train()
-    text = sample_text(model, ByteTokenizer(), ["def ", "x"], 5, 0.8, 40, 16, seed=1)
+    text = _samples(model, ["def ", "x"], 5, 0.8, 40, 16, seed=1)
     assert "=== sample 1, prompt 'def ' ===\ndef aaaaa\n" in text
     assert "=== sample 2, prompt 'x' ===\nxaaaaa\n" in text
     assert model.training, "sampling must give the model back in train mode"
 
-    ended = sample_text(FavouriteToken(EOT), ByteTokenizer(), ["import "], 5, 1.0, None, 16, 1)
+    ended = _samples(FavouriteToken(EOT), ["import "], 5, 1.0, None, 16, 1)
     assert "===\nimport \n" in ended
 
 
-def test_sample_text_is_reproducible_for_a_seed(generate_available) -> None:
+def test_sample_text_is_reproducible_for_a_seed() -> None:
     torch.manual_seed(0)
     model = FavouriteToken(0)
     with torch.no_grad():
         model.bias.copy_(torch.randn(BYTES_VOCAB) * 0.1)  # near uniform: samples vary
     model.bias.data[EOT] = -50.0
-    first = sample_text(model, ByteTokenizer(), ["a"], 30, 1.0, None, 8, seed=3)
-    assert sample_text(model, ByteTokenizer(), ["a"], 30, 1.0, None, 8, seed=3) == first
-    assert sample_text(model, ByteTokenizer(), ["a"], 30, 1.0, None, 8, seed=4) != first
+    first = _samples(model, ["a"], 30, 1.0, None, 8, seed=3)
+    assert _samples(model, ["a"], 30, 1.0, None, 8, seed=3) == first
+    assert _samples(model, ["a"], 30, 1.0, None, 8, seed=4) != first

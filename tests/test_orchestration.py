@@ -28,7 +28,7 @@ MODEL = "gradline-digits"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # Small and quick: 1 worker, a few epochs, checkpoints often enough to resume mid-run.
 SMALL = {
-    "runtime.world_size": 1,
+    "runtime.procs_per_node": 1,
     # Enough epochs for the MLP to beat its logistic-regression baseline on 900 rows.
     "train.epochs": 40,
     "runtime.checkpoint_every_steps": 10,
@@ -280,8 +280,8 @@ def test_served_deployment_retrains_only_when_something_changed(server, served) 
     # routine, and compared like for like: check the numbers and the verdict.
     assert v1.tags["gradline.gate"] == "champion", v1.description
     import mlflow as mlflow_lib
+    from training.mlops.serving import rescore_champion
     from training.project import Project
-    from training.stages import rescore_champion
 
     store = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
     mlflow_lib.set_tracking_uri(store)
@@ -406,7 +406,7 @@ def test_flows_sharing_one_device_train_one_after_the_other(server, quota_projec
     # A job that needs more devices than the quota has fails at once, saying so.
     root = quota_projects[0]
     params = (root / "params.yaml").read_text()
-    proc = _gradline(root, server, "run", "--set", "runtime.world_size=2")
+    proc = _gradline(root, server, "run", "--set", "runtime.procs_per_node=2")
     assert proc.returncode == 2
     assert "raise the limit" in proc.stderr and "gradline-test-devices" in proc.stderr
     assert (root / "params.yaml").read_text() == params  # refused before anything was written

@@ -16,8 +16,8 @@ import torch
 
 from training.config import Config
 from training.engine.launch import TrainingFailed, launch_workers
-from training.models import load_model_dir
-from training.tracking import client, ensure_experiment
+from training.mlops.tracking import client, ensure_experiment
+from training.models.folder import load_model_dir
 
 from .conftest import train_job
 
@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 GPT_JOB = {
     "data": {"source": "stdlib"},
-    "task": {"type": "language_modeling", "prompts": ["def "], "max_new_tokens": 4},
+    "task": {"type": "language_modeling"},
+    "evaluate": {"prompts": ["def "], "max_new_tokens": 4},
     "model": {
         "name": "gpt",
         "layers": 4,
@@ -59,7 +60,7 @@ LOSS_RTOL, WEIGHT_ATOL = 1e-4, 1e-3
 
 
 def _config(world: int, parallel: dict, eval_batch: int = 512) -> Config:
-    runtime = {**GPT_JOB["runtime"], "world_size": world}
+    runtime = {**GPT_JOB["runtime"], "procs_per_node": world}
     return Config.model_validate(
         {
             **GPT_JOB,
@@ -75,7 +76,7 @@ def _uneven_eval_batch(shards: Path, shares: int) -> int:
     batch more than the smaller ones (a sharded forward is a collective: every rank must
     still make the same calls)."""
     from training.data.loader import open_reader
-    from training.data.shards import read_manifest
+    from training.data.manifest import read_manifest
 
     rows = open_reader(shards, read_manifest(shards), "val", context=16).num_rows
     return max(1, -(-rows // shares) - 1)
@@ -93,7 +94,7 @@ def _run(shards: Path, work: Path, cfg: Config, tracking, run_id: str | None = N
     uri, experiment = tracking
     run_id = run_id or client(uri).create_run(experiment).info.run_id
     job = train_job(shards, work, cfg, (uri, run_id))
-    launch_workers(job, cfg.runtime.world_size, max_restarts=restarts)
+    launch_workers(job, cfg.runtime.procs_per_node, max_restarts=restarts)
     return run_id
 
 
@@ -201,7 +202,7 @@ def test_killed_rank_restarts_and_ends_bitwise_identical(
 def test_consolidated_model_is_one_whole_model(finished) -> None:
     """The registry gets the whole model whatever the layout: a pipeline-trained model
     loads alone, with every stage's blocks, and generates."""
-    from training.models.gpt import generate
+    from training.objectives.language_modeling import generate
 
     finished("pp-1f1b")
     model, _ = load_model_dir(_work["pp-1f1b"] / "model")

@@ -9,10 +9,17 @@ import torch
 
 from training.config import ModelConfig
 from training.data.spec import DataSpec
-from training.models import ModelSpec, build_model, save_model_dir
-from training.registry import GATE_TAG, ChampionIncompatible, Score, is_gated, register_and_gate
-from training.serving import log_pyfunc_model
-from training.tracking import TAG_TEST_DIGEST, client, ensure_experiment
+from training.mlops.registry import (
+    GATE_TAG,
+    Incompatible,
+    Score,
+    is_gated,
+    register_and_gate,
+)
+from training.mlops.serving import log_pyfunc_model
+from training.mlops.tracking import TAG_TEST_DIGEST, client, ensure_experiment
+from training.models.folder import ModelSpec, save_model_dir
+from training.models.registry import build_model
 
 NAME = "gate-test"
 DATA = DataSpec("table", feature_shape=(4,), num_classes=2)
@@ -122,7 +129,7 @@ def test_a_champion_that_cannot_take_the_new_data_gets_a_verdict_not_a_crash(sto
     _gate(store, _trained(store, 0.99, digest="old-split"), 0.99, digest="old-split")
 
     def rescore(_uri: str) -> float:
-        raise ChampionIncompatible("it takes features of shape [30], the data now has [31]")
+        raise Incompatible("it takes features of shape [30], the data now has [31]")
 
     result = _gate(store, _trained(store, 0.90, "new"), 0.90, digest="new", rescore=rescore)
     assert (result.alias, result.champion_score) == ("champion", None)

@@ -361,8 +361,8 @@ def test_credentials_in_a_tracking_uri_move_to_mlflows_variables() -> None:
 
 def test_tracking_uri_credentials_are_redacted_where_shown() -> None:
     """Where a URI is shown (summaries, links, errors), its credentials are not."""
-    from training.lineage import run_url, ui_base
-    from training.tracking import redact_uri
+    from training.mlops.lineage import run_url, ui_base
+    from training.mlops.tracking import redact_uri
 
     uri = "https://trainer:s3cr3t-pw@mlflow.team.example:8443/"
     assert redact_uri(uri) == "https://mlflow.team.example:8443/"

@@ -22,13 +22,8 @@ from training.data.loader import (
     open_reader,
     rank_slice,
 )
-from training.data.shards import (
-    file_sha256,
-    read_manifest,
-    split_codes,
-    split_shards,
-    write_shards,
-)
+from training.data.manifest import file_sha256, read_manifest, split_codes, split_shards
+from training.data.shards import write_shards
 from training.data.text import DOCUMENTS_FILE, QUARANTINE_FILE, list_files, paragraphs
 from training.data.tokenizer import (
     TOKENIZER_FILE,

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 BIN = Path(sys.executable).parent
 POOL = "test-gpu"
-SMALL = ["data.max_rows=500", "train.epochs=4", "runtime.world_size=1"]
+SMALL = ["data.max_rows=500", "train.epochs=4", "runtime.procs_per_node=1"]
 
 
 def _run(root: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -115,7 +115,7 @@ def test_train_runs_on_the_pool_and_is_recorded_here(server, gpu_worker, tmp_pat
 
     # A train stage failing there fails the flow here, naming the pool, the remote flow
     # run and the cause (more workers than the pool machine's quota: a quick failure).
-    sets = [*sets, "--set", "train.epochs=5", "--set", "runtime.world_size=64"]
+    sets = [*sets, "--set", "train.epochs=5", "--set", "runtime.procs_per_node=64"]
     proc = subprocess.run(
         [str(BIN / "gradline"), "run", *sets], cwd=main, env=env, capture_output=True, text=True
     )
@@ -123,7 +123,7 @@ def test_train_runs_on_the_pool_and_is_recorded_here(server, gpu_worker, tmp_pat
     failed = next(r for r in _flow_runs(server, "gradline-train", POOL) if r["id"] != remote["id"])
     out = proc.stdout + proc.stderr
     assert f"work pool {POOL!r} failed: flow run {failed['name']!r}" in out
-    assert "runtime.world_size=64 needs 64 device slots" in out
+    assert "runtime.procs_per_node=64 needs 64 device slots" in out
     assert yaml.safe_load((main / "dvc.lock").read_text())["stages"]["train"] == lock["train"]
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from training.config import ParallelConfig
+from training.config import UpdateConfig
+from training.engine.topology import Topology
 from training.engine.updates import DiLoCo, LocalSGD, SyncEveryStep, check_replicas
 from training.errors import ConfigError
 
@@ -39,8 +40,8 @@ def test_diloco_moves_the_anchor_by_the_outer_step_of_the_replicas_mean_change()
     Nesterov momentum 0.9 then adds 0.9 x the previous step to the next one."""
     model = _model()
     start = [p.detach().clone() for p in model.parameters()]
-    par = ParallelConfig(update="diloco", outer_lr=0.5, outer_momentum=0.0)
-    rule = DiLoCo(model, world_size=1, every=2, warmup=0, par=par)
+    update = UpdateConfig(rule="diloco", sync_every=2, outer_lr=0.5, outer_momentum=0.0)
+    rule = DiLoCo(model, world_size=1, update=update)
     _local_step(model, 1.0)
     rule.after_step(1)  # not due
     _local_step(model, 1.0)
@@ -49,7 +50,7 @@ def test_diloco_moves_the_anchor_by_the_outer_step_of_the_replicas_mean_change()
         torch.testing.assert_close(p.detach(), s + 1.0)
 
     model = _model()
-    rule = DiLoCo(model, 1, 1, 0, ParallelConfig(outer_lr=1.0, outer_momentum=0.9))
+    rule = DiLoCo(model, 1, UpdateConfig(sync_every=1, outer_lr=1.0, outer_momentum=0.9))
     _local_step(model, 1.0)
     rule.after_step(1)  # g = -1: buf = -1, Nesterov step g + 0.9 buf = -1.9: anchor +1.9
     _local_step(model, 1.0)
@@ -59,9 +60,9 @@ def test_diloco_moves_the_anchor_by_the_outer_step_of_the_replicas_mean_change()
 
 
 def test_diloco_state_restores_the_anchor_and_the_outer_momentum() -> None:
-    par = ParallelConfig(outer_lr=0.7, outer_momentum=0.9)
+    update = UpdateConfig(sync_every=1, outer_lr=0.7, outer_momentum=0.9)
     model = _model()
-    rule = DiLoCo(model, 1, 1, 0, par)
+    rule = DiLoCo(model, 1, update)
     _local_step(model, 0.5)
     rule.after_step(1)
     saved = copy.deepcopy(rule.state_dict())
@@ -74,7 +75,7 @@ def test_diloco_state_restores_the_anchor_and_the_outer_momentum() -> None:
     with torch.no_grad():
         for n, p in again.named_parameters():
             p.copy_(weights[n])
-    resumed = DiLoCo(again, 1, 1, 0, par)
+    resumed = DiLoCo(again, 1, update)
     resumed.load_state_dict(saved)
     _local_step(again, 0.5)
     resumed.after_step(2)
@@ -82,11 +83,26 @@ def test_diloco_state_restores_the_anchor_and_the_outer_momentum() -> None:
         assert torch.equal(got.detach(), want)
 
 
+def _ranks(world: int, nodes: int = 1) -> Topology:
+    """Rank 0 of `world` workers on `nodes` nodes, as elastic's environment says."""
+    env = {"WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world // nodes, "GROUP_WORLD_SIZE": nodes}
+    return Topology.from_env("gloo", {k: str(v) for k, v in env.items()})
+
+
 def test_replicas_that_differ_resume_only_on_as_many_ranks() -> None:
     local = LocalSGD(_model(), world_size=2, every=4, warmup=0)
-    assert check_replicas(local, 2, 2) is True
-    with pytest.raises(ConfigError, match=r"runtime\.world_size=2"):
-        check_replicas(local, 2, 4)
+    assert check_replicas(local, 2, _ranks(2)) is True
+    with pytest.raises(ConfigError, match=r"resume it on 2 workers \(runtime\.procs_per_node=2\)"):
+        check_replicas(local, 2, _ranks(4))
     # Synchronous replicas are identical: any size resumes (per-rank extras are dropped).
-    assert check_replicas(SyncEveryStep(), 2, 4) is False
-    assert check_replicas(SyncEveryStep(), None, 4) is True
+    assert check_replicas(SyncEveryStep(), 2, _ranks(4)) is False
+    assert check_replicas(SyncEveryStep(), None, _ranks(4)) is True
+
+
+def test_a_resume_message_counts_workers_per_node_on_many_nodes() -> None:
+    """8 replicas written by 2 nodes of 4, resumed by 2 nodes of 2: the user sets
+    runtime.procs_per_node to 4 on each node, not to the job's 8."""
+    local = LocalSGD(_model(), world_size=4, every=4, warmup=0)
+    message = r"8 workers \(runtime\.procs_per_node=4 on each of 2 nodes \(8 workers\)\)"
+    with pytest.raises(ConfigError, match=message):
+        check_replicas(local, 8, _ranks(4, nodes=2))

@@ -13,8 +13,8 @@ import torch
 
 from training.config import Config
 from training.engine.launch import Preempted, launch_workers
-from training.models import load_model_dir
-from training.tracking import client, ensure_experiment
+from training.mlops.tracking import client, ensure_experiment
+from training.models.folder import load_model_dir
 
 from .conftest import train_job
 
@@ -22,12 +22,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 JOB = {
     "data": {"source": "stdlib"},
-    "task": {"type": "language_modeling", "prompts": ["def "], "max_new_tokens": 4},
+    "task": {"type": "language_modeling"},
+    "evaluate": {"prompts": ["def "], "max_new_tokens": 4},
     "model": {"name": "gpt", "layers": 2, "heads": 2, "width": 32, "context": 16},
     "optim": {"lr": 0.01, "warmup_steps": 5},
     "train": {"epochs": 1, "max_steps": 20, "batch_size": 16},
     "runtime": {
-        "world_size": 2,
+        "procs_per_node": 2,
         "checkpoint_every_steps": 4,
         "log_every_steps": 2,
         "control_every_steps": 2,
@@ -37,16 +38,17 @@ JOB = {
 # and the stops below in the middle of local phases.
 RULES = {
     "sync": {},
-    "local_sgd": {"update": "local_sgd", "sync_every": 3, "sync_warmup_steps": 2},
-    "diloco": {"update": "diloco", "sync_every": 3},
-    "powersgd": {"grad_compression": "powersgd", "powersgd_rank": 2},
+    "local_sgd": {"update": {"rule": "local_sgd", "sync_every": 3, "sync_warmup_steps": 2}},
+    "diloco": {"update": {"rule": "diloco", "sync_every": 3}},
+    "powersgd": {"update": {"grad_compression": "powersgd", "powersgd_rank": 2}},
     # A staleness bound of 0 makes the parameter server lockstep: deterministic.
-    "async": {"update": "async", "max_staleness": 0},
+    "async": {"update": {"rule": "async", "max_staleness": 0}},
 }
 
 
-def _config(parallel: dict) -> Config:
-    return Config.model_validate({**JOB, "parallel": parallel})
+def _config(changes: dict) -> Config:
+    """The job with `changes` (section -> keys) applied."""
+    return Config.model_validate({**JOB, **changes})
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +58,11 @@ def tracking(tmp_path_factory) -> tuple[str, str]:
     return uri, ensure_experiment(uri, "updates", (base / "artifacts").as_uri())
 
 
-def _train(shards: Path, work: Path, parallel: dict, tracking, run_id=None, restarts=0):
+def _train(shards: Path, work: Path, changes: dict, tracking, run_id=None, restarts=0):
     """Train into an MLflow run (new unless given); return (run id, rank 0's result)."""
     uri, experiment = tracking
     run_id = run_id or client(uri).create_run(experiment).info.run_id
-    cfg = _config(parallel)
+    cfg = _config(changes)
     result = launch_workers(train_job(shards, work, cfg, (uri, run_id)), 2, restarts)
     return run_id, result
 
@@ -98,10 +100,10 @@ _done: dict[str, tuple[str, dict, Path]] = {}
 def uninterrupted(tiny_token_shards, tracking, tmp_path_factory):
     """(run id, result, work folder) of an uninterrupted job under a rule (run once)."""
 
-    def get(name: str, parallel: dict | None = None):
+    def get(name: str, changes: dict | None = None):
         if name not in _done:
             work = tmp_path_factory.mktemp(name)
-            run_id, result = _train(tiny_token_shards, work, parallel or RULES[name], tracking)
+            run_id, result = _train(tiny_token_shards, work, changes or RULES[name], tracking)
             _done[name] = (run_id, result, work)
         return _done[name]
 
@@ -113,7 +115,9 @@ def test_local_sgd_syncing_every_step_reproduces_sync(uninterrupted, tracking) -
     replicas' updates is not the update of their averaged gradient, so the two agree
     closely, not bitwise: losses within 2% at every step."""
     sync_run, _, _ = uninterrupted("sync")
-    local_run, _, _ = uninterrupted("local_sgd-1", {"update": "local_sgd", "sync_every": 1})
+    local_run, _, _ = uninterrupted(
+        "local_sgd-1", {"update": {"rule": "local_sgd", "sync_every": 1}}
+    )
     torch.testing.assert_close(
         torch.tensor(_losses(tracking, local_run)),
         torch.tensor(_losses(tracking, sync_run)),
@@ -144,11 +148,11 @@ def test_async_bounds_staleness_and_keeps_a_slow_rank_from_holding_others_back(
     )
     uri, experiment = tracking
     run_id = client(uri).create_run(experiment).info.run_id
-    parallel = {"update": "async", "max_staleness": 2}
+    changes = {"update": {"rule": "async", "max_staleness": 2}}
     with pytest.raises(Preempted):
-        _train(tiny_token_shards, tmp_path, parallel, tracking, run_id, restarts=1)
+        _train(tiny_token_shards, tmp_path, changes, tracking, run_id, restarts=1)
     monkeypatch.setenv("GRADLINE_FAULT", "slow:rank=1:factor=3")
-    _train(tiny_token_shards, tmp_path, parallel, tracking, run_id)
+    _train(tiny_token_shards, tmp_path, changes, tracking, run_id)
     _losses(tracking, run_id)  # one loss per server step
     mlflow = client(uri)
     staleness = mlflow.get_metric_history(run_id, "async_staleness_max")
@@ -162,8 +166,8 @@ def test_bytes_per_step_are_counted_on_the_wire(uninterrupted) -> None:
     """Local SGD with H=4 (no warmup) sends one parameter average per 4 steps: 1/4 of
     sync's gradient all-reduces. fp16 halves them; PowerSGD sends low-rank factors."""
     sync = uninterrupted("sync")[1]["comm_bytes_per_step"]
-    local = uninterrupted("local_sgd-4", {"update": "local_sgd", "sync_every": 4})[1]
-    fp16 = uninterrupted("fp16", {"grad_compression": "fp16"})[1]
+    local = uninterrupted("local_sgd-4", {"update": {"rule": "local_sgd", "sync_every": 4}})[1]
+    fp16 = uninterrupted("fp16", {"update": {"grad_compression": "fp16"}})[1]
     powersgd = uninterrupted("powersgd")[1]
     assert sync > 0
     assert local["comm_bytes_per_step"] / sync == pytest.approx(1 / 4, rel=1e-9)
@@ -179,8 +183,8 @@ def test_measured_balance_moves_rows_off_a_slow_rank_and_computes_the_same(
     to summation order)."""
     even_run, _, even_work = uninterrupted("sync")
     monkeypatch.setenv("GRADLINE_FAULT", "slow:rank=1:factor=3")
-    parallel = {"balance": "measured", "balance_every_logs": 1}
-    run_id, _ = _train(tiny_token_shards, tmp_path, parallel, tracking)
+    changes = {"parallel": {"balance": "measured", "balance_every_logs": 1}}
+    run_id, _ = _train(tiny_token_shards, tmp_path, changes, tracking)
     shares = client(tracking[0]).get_metric_history(run_id, "batch_share/rank1")
     assert shares and min(m.value for m in shares) < 0.5
     _assert_same_training(tracking, (run_id, tmp_path), (even_run, even_work))

@@ -15,6 +15,7 @@ import pytest
 from training.config import DataConfig
 from training.data.ingest import QUARANTINE_FILE, ingest
 from training.errors import ConfigError, DataError
+from training.objectives import TASKS
 
 GOOD = {"a": [0.1, 0.2, 0.3, 0.4], "b": [1.0, 2.0, 3.0, 4.0], "label": [0, 1, 2, 1]}
 
@@ -42,7 +43,8 @@ def _project(tmp_path: Path, tables: dict[str, pa.Table | bytes]) -> Path:
 
 
 def _ingest(root: Path, cfg: DataConfig, task: str = "classification"):
-    return ingest(cfg, root, root / "raw", root / "quarantine", root / "report.json", task=task)
+    labels = TASKS[task].labels  # what the task needs the label column to hold
+    return ingest(cfg, root, root / "raw", root / "quarantine", root / "report.json", labels=labels)
 
 
 def _assert_untouched(root: Path) -> None:
@@ -288,7 +290,7 @@ def test_diabetes_is_a_bundled_regression_table(tmp_path) -> None:
     ("source", "task"), [("digits", "regression"), ("diabetes", "classification")]
 )
 def test_a_builtin_data_set_fits_one_task(tmp_path, source, task) -> None:
-    with pytest.raises(ConfigError, match=f"data.source {source} is a .* data set"):
+    with pytest.raises(ConfigError, match=f"data.source {source} is a data set labelled with"):
         _ingest(tmp_path, DataConfig(source=source), task=task)
     assert not (tmp_path / "raw").exists()
 

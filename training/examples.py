@@ -1,8 +1,8 @@
 """Ready-made workloads: `gradline example NAME` writes one into params.yaml.
 
 An example sets every key of the sections that say what is computed (data, task, model,
-optim, train: unmentioned keys go back to their defaults, so switching examples leaves
-nothing behind) plus the registered model's name, so different tasks never compete in
+optim, train, update: unmentioned keys go back to their defaults, so switching examples
+leaves nothing behind) plus the registered model's name, so different tasks never compete in
 one registry gate. How the job runs (runtime) stays the user's, but for the keys an
 example needs (e.g. a language model validates every few hundred steps).
 """
@@ -16,7 +16,7 @@ from training.config import Config, load_config, update_params_file
 from training.errors import ConfigError
 
 # Sections an example owns whole; `shard` keeps the user's split fractions.
-OWNED = ("data", "task", "model", "optim", "train")
+OWNED = ("data", "task", "model", "optim", "train", "update")
 
 EXAMPLES: dict[str, dict[str, Any]] = {
     "digits-mlp": {

@@ -32,7 +32,7 @@ class Progress:
         self._next_log = done + self._log_every if self._log_every else None
         self._last_log_time = time.monotonic()
         if _bars_wanted():
-            try:
+            try:  # deferred: rich is optional, and costs ~0.25 s where no bar is drawn
                 from rich.console import Console
                 from rich.progress import (
                     BarColumn,

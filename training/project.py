@@ -1,14 +1,28 @@
-"""The fixed layout of a gradline project, relative to its root.
+"""The fixed layout of a gradline project, relative to its root: its paths, its config,
+its tracking store.
 
 dvc.yaml names the same paths in its stages' commands; tests check the two agree.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from training.config import Config, load_config
+from training.engine.jobdir import JobDir
 from training.errors import ProjectError
+
+
+def default_tracking_uri(root: Path) -> str:
+    """MLFLOW_TRACKING_URI if set, else the project's SQLite store (always absolute)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{(root / 'mlflow' / 'mlflow.db').resolve()}"
 
 
 @dataclass(frozen=True)
@@ -69,43 +83,24 @@ class Project:
 
     @property
     def tracking_uri(self) -> str:
-        from training.tracking import default_tracking_uri
-
         return default_tracking_uri(self.root)
 
-    def config(self, overrides: list[str] | tuple[str, ...] = ()):
+    def config(self, overrides: list[str] | tuple[str, ...] = ()) -> Config:
         """params.yaml plus overrides, validated (training.config.load_config)."""
-        from training.config import load_config
-
         return load_config(self.params, overrides)
+
+    def read_train_result(self) -> dict[str, Any]:
+        return read_train_result(self.train_result)
 
     def job(self, key: str) -> JobDir:
         return JobDir(self.checkpoints / key)
 
 
-@dataclass(frozen=True)
-class JobDir:
-    """Every file of one training job, in the checkpoint location that every node sees:
-    its checkpoints, rank 0's tracking journal, the run id, drill records (health/).
-    Stop requests and heartbeats do not go through files (training.engine.control)."""
-
-    path: Path
-
-    @property
-    def journal(self) -> Path:
-        return self.path / "tracking.jsonl"
-
-    @property
-    def health(self) -> Path:
-        return self.path / "health"
-
-    @property
-    def run_file(self) -> Path:
-        return self.path / "run.json"
-
-    @property
-    def complete_marker(self) -> Path:
-        return self.path / "COMPLETE"
+def read_train_result(result: Path) -> dict[str, Any]:
+    """What the train stage recorded in result.json: the run, the model, the data."""
+    if not result.is_file():
+        raise ProjectError(f"{result} not found; run the train stage first (dvc repro train)")
+    return json.loads(result.read_text())
 
 
 def find_project_root(start: Path | None = None) -> Path:

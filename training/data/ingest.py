@@ -14,11 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training.atomic import atomic_dir, write_json
-from training.config import TEXT_SOURCES, DataConfig
+from training.data.options import DataConfig, LabelKind
 from training.data.sources import RawLayout, open_chunks
 from training.data.text import TextReport, ingest_text
 from training.data.validate import QUARANTINE_SCHEMA, ValidationReport, Validator
-from training.errors import DataError
+from training.errors import ConfigError, DataError
 from training.progress import Progress
 
 ROWS_PER_RAW_FILE = 1_000_000
@@ -77,21 +77,27 @@ def ingest(
     quarantine_dir: Path,
     report_path: Path,
     *,
-    task: str = "classification",
+    labels: LabelKind | None = "classes",
 ) -> ValidationReport | TextReport:
-    """Validate the source and snapshot it into `raw_dir`. Labels follow `task`:
-    classification keeps integer classes, regression float targets."""
-    if cfg.source in TEXT_SOURCES:  # documents and a tokenizer, not rows
+    """Validate the source and snapshot it into `raw_dir`. `labels` is what the task needs
+    a table's label column to hold: integer classes or float values (text sources have
+    none: documents and a tokenizer, not rows)."""
+    if cfg.source_info.text:
         return ingest_text(cfg, root, raw_dir, quarantine_dir, report_path)
     # Read before anything is written: the snapshot this ingest replaces, to report a
     # change of the table's features between data versions.
-    validator = Validator(cfg, task, previous=previous_layout(raw_dir))
+    if labels is None:
+        raise ConfigError(
+            f"data.source {cfg.source} is a table, and the task reads no labels from a table: "
+            "set a task.type that learns from tables, or a text source"
+        )
+    validator = Validator(cfg, labels, previous=previous_layout(raw_dir))
     progress = Progress(f"ingest {cfg.source}", _expected_rows(cfg), "rows")
     with progress, atomic_dir(raw_dir) as raw_stage, atomic_dir(quarantine_dir) as q_stage:
         raw = _RollingParquet(raw_stage, ROWS_PER_RAW_FILE)
         quarantine = pq.ParquetWriter(q_stage / QUARANTINE_FILE, QUARANTINE_SCHEMA)
         try:
-            for chunk in open_chunks(cfg, root, task):
+            for chunk in open_chunks(cfg, root, labels):
                 accepted, rejected = validator.process(chunk)
                 if accepted.num_rows:
                     raw.write(accepted)

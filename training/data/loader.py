@@ -12,18 +12,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.utils.data
 
-from training.data.shards import ShardInfo
+from training.data.manifest import ShardInfo, split_shards
 from training.data.sources import FEATURES, LABEL
+from training.data.tokens import TokenReader
 from training.errors import DataError
 
-if TYPE_CHECKING:
-    from training.data.tokens import TokenReader
 
 LOADER_STATE_VERSION = 1
 # Batches of at most SMALL_BATCH_BYTES are gathered in groups of up to SMALL_GROUP_BYTES.
@@ -274,8 +272,6 @@ def make_reader(shards: list[ShardInfo], context: int | None = None) -> ShardRea
     """A reader of table rows, or of token windows of `context` tokens when it is given."""
     if context is None:
         return ShardReader(shards)
-    from training.data.tokens import TokenReader
-
     return TokenReader(shards, context)
 
 
@@ -283,8 +279,6 @@ def open_reader(
     shard_dir: Path, manifest: dict, split: str, context: int | None = None
 ) -> ShardReader | TokenReader:
     """The reader for the manifest's kind; token shards need the model's `context`."""
-    from training.data.shards import split_shards
-
     shards = split_shards(shard_dir, manifest, split)
     if manifest.get("kind") != "tokens":
         return ShardReader(shards)

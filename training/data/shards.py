@@ -1,7 +1,7 @@
 """Shard: split raw rows into train/val/test and write uncompressed Arrow IPC shards.
 
-A row's split is a pure function of its key (a stable hash), so it never moves when rows
-are added. Shards are uncompressed, one record batch each, so readers can memory-map
+A row's split is a pure function of its key (training.data.manifest), so it never moves
+when rows are added. Shards are uncompressed, one record batch each, so readers can memory-map
 them and view columns without a copy. `manifest.json` describes everything a reader
 needs and lets it verify what it reads, and carries the train split's statistics that
 standardize table features (and regression targets) inside the model.
@@ -9,9 +9,6 @@ standardize table features (and regression targets) inside the model.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,34 +18,17 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from training.atomic import atomic_dir, write_json
-from training.config import ShardConfig
-from training.data.hashing import unit_interval
+from training.data.options import ShardConfig
+from training.data.manifest import MANIFEST, MANIFEST_VERSION, SPLITS, file_sha256, split_codes
 from training.data.sources import FEATURES, LABEL, ROW_KEY, RawLayout
+from training.data.text import is_text_snapshot
+from training.data.tokens import write_token_shards
 from training.errors import DataError
 from training.progress import Progress
 
-SPLITS = ("train", "val", "test")
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 3
 # A standard deviation below this is a constant column: it is divided by 1 instead, so
 # standardizing never blows a constant up into noise.
 MIN_STD = 1e-6
-_SPLIT_SALT = 0x5EED_5B11
-
-
-def split_codes(keys: np.ndarray, val_fraction: float, test_fraction: float) -> np.ndarray:
-    """0 train, 1 val, 2 test: a pure function of each row's key, so a row keeps its split
-    however many rows are added around it."""
-    u = unit_interval(keys, _SPLIT_SALT)
-    return np.where(u < test_fraction, 2, np.where(u < test_fraction + val_fraction, 1, 0))
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class RunningMoments:
@@ -152,11 +132,7 @@ def write_shards(
     cfg: ShardConfig, raw_dir: Path, out_dir: Path, data_version: str, batch_rows: int = 65536
 ) -> dict:
     """Split and shard `raw_dir` into `out_dir` (replaced whole, only on success)."""
-    from training.data.text import is_text_snapshot
-
     if is_text_snapshot(raw_dir):  # documents: tokenized into token shards instead
-        from training.data.tokens import write_token_shards
-
         return write_token_shards(cfg, raw_dir, out_dir, data_version)
     files = _raw_files(raw_dir)
     schema = pq.read_schema(files[0])
@@ -211,50 +187,3 @@ def _stats(moments: RunningMoments | None, scalar: bool = False) -> dict[str, An
         return None
     mean, std = moments.result()
     return {"mean": mean[0], "std": std[0]} if scalar else {"mean": mean, "std": std}
-
-
-def read_manifest(shard_dir: Path) -> dict[str, Any]:
-    path = shard_dir / MANIFEST
-    if not path.is_file():
-        raise DataError(f"{path} not found; run the shard stage first (dvc repro shard)")
-    manifest = json.loads(path.read_text())
-    if manifest.get("version") != MANIFEST_VERSION:
-        raise DataError(
-            f"{path} has manifest version {manifest.get('version')}, this gradline reads "
-            f"version {MANIFEST_VERSION}; re-run the shard stage"
-        )
-    return manifest
-
-
-def split_digest(manifest: dict[str, Any], split: str) -> str:
-    """One checksum for a whole split: equal digests mean the very same rows."""
-    joined = "".join(s["sha256"] for s in manifest["splits"][split]["shards"])
-    return hashlib.sha256(joined.encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    path: Path
-    rows: int
-    sha256: str
-
-    def map(self, unit: str = "rows") -> pa.RecordBatch:
-        """The shard's one record batch, memory-mapped (columns are zero-copy views onto
-        the file), after checking it holds as many `unit` as the manifest says."""
-        try:
-            batch = ipc.open_file(pa.memory_map(str(self.path), "r")).get_batch(0)
-        except (OSError, pa.ArrowInvalid) as exc:
-            raise DataError(f"cannot read shard {self.path}: {exc}; re-run shard") from exc
-        if batch.num_rows != self.rows:
-            raise DataError(
-                f"shard {self.path} has {batch.num_rows} {unit}, the manifest says "
-                f"{self.rows}; re-run the shard stage"
-            )
-        return batch
-
-
-def split_shards(shard_dir: Path, manifest: dict[str, Any], split: str) -> list[ShardInfo]:
-    return [
-        ShardInfo(shard_dir / s["file"], s["rows"], s["sha256"])
-        for s in manifest["splits"][split]["shards"]
-    ]

@@ -8,6 +8,7 @@ training.data.validate.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 import math
@@ -18,8 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
 
-from training.config import DataConfig
+from training.data.options import USER_TABLE_SOURCES, DataConfig, LabelKind
 from training.errors import DataError
 
 ROW_KEY = "row_id"
@@ -30,9 +33,9 @@ META_SHAPE = b"gradline.feature_shape"
 META_CLASSES = b"gradline.num_classes"
 META_LABEL_TYPE = b"gradline.label_type"
 META_FEATURE_NAMES = b"gradline.feature_names"
-USER_TABLE_SOURCES = ("parquet", "csv")
-# Label type per task: classes are integers, regression targets are floats.
-LABEL_TYPES = {"classification": "int64", "regression": "float32"}
+# The label column's type by what it holds (the task says): classes are whole numbers,
+# values (regression targets) are floats.
+LABEL_TYPES: dict[LabelKind, str] = {"classes": "int64", "values": "float32"}
 
 # Built-in sources generate in fixed chunks, so their rows never depend on batch settings.
 _GENERATE_ROWS = 65536
@@ -112,12 +115,12 @@ def to_table(
     return pa.Table.from_arrays(columns, schema=layout.schema())
 
 
-def digits_chunks(cfg: DataConfig, task: str) -> Iterator[SourceChunk]:
+def digits_chunks(cfg: DataConfig, labels: LabelKind) -> Iterator[SourceChunk]:
     """scikit-learn's bundled 8x8 digits (1,797 images, 10 classes): real data, no download.
 
     Pixels 0..16 are scaled to 0..1 here so every consumer sees the same values.
     """
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # deferred: scikit-learn takes ~2 s to import
 
     bunch = load_digits()
     features = bunch.data.astype(np.float32).reshape(-1, 8, 8) / 16.0
@@ -126,14 +129,14 @@ def digits_chunks(cfg: DataConfig, task: str) -> Iterator[SourceChunk]:
     yield SourceChunk("digits", 0, to_table(keys, features, bunch.target, layout))
 
 
-def diabetes_chunks(cfg: DataConfig, task: str) -> Iterator[SourceChunk]:
+def diabetes_chunks(cfg: DataConfig, labels: LabelKind) -> Iterator[SourceChunk]:
     """scikit-learn's bundled diabetes table (442 patients, 10 measurements, a disease
     progression score to predict): real regression data, no download.
 
     The values are the raw measurements (scaled=False), as a user's table would hold
     them: standardizing is the model's job, with statistics of the train split.
     """
-    from sklearn.datasets import load_diabetes
+    from sklearn.datasets import load_diabetes  # deferred, as above
 
     bunch = load_diabetes(scaled=False)
     keys = np.arange(len(bunch.target), dtype=np.uint64)
@@ -142,7 +145,7 @@ def diabetes_chunks(cfg: DataConfig, task: str) -> Iterator[SourceChunk]:
     yield SourceChunk("diabetes", 0, to_table(keys, bunch.data, bunch.target, layout))
 
 
-def synthetic_chunks(cfg: DataConfig, task: str) -> Iterator[SourceChunk]:
+def synthetic_chunks(cfg: DataConfig, labels: LabelKind) -> Iterator[SourceChunk]:
     """Gaussian class clusters: deterministic by seed, learnable, generated chunk by chunk.
 
     For regression the same features get a target that is a fixed linear function of
@@ -154,9 +157,9 @@ def synthetic_chunks(cfg: DataConfig, task: str) -> Iterator[SourceChunk]:
         (cfg.synthetic_classes, width), dtype=np.float32
     )
     weights = np.random.default_rng([cfg.seed, 0xBEEF]).standard_normal(width) / math.sqrt(width)
-    regression = task == "regression"
+    regression = labels == "values"
     classes = None if regression else cfg.synthetic_classes
-    layout = RawLayout("synthetic", shape, LABEL_TYPES[task], classes)
+    layout = RawLayout("synthetic", shape, LABEL_TYPES[labels], classes)
     for first in range(0, cfg.synthetic_rows, _GENERATE_ROWS):
         n = min(_GENERATE_ROWS, cfg.synthetic_rows - first)
         rng = np.random.default_rng([cfg.seed, first // _GENERATE_ROWS])
@@ -171,7 +174,7 @@ def synthetic_chunks(cfg: DataConfig, task: str) -> Iterator[SourceChunk]:
         )
 
 
-BUILTIN_SOURCES: dict[str, Callable[[DataConfig, str], Iterator[SourceChunk]]] = {
+BUILTIN_SOURCES: dict[str, Callable[[DataConfig, LabelKind], Iterator[SourceChunk]]] = {
     "digits": digits_chunks,
     "diabetes": diabetes_chunks,
     "synthetic": synthetic_chunks,
@@ -196,7 +199,6 @@ def table_files(cfg: DataConfig, root: Path) -> list[Path]:
 
 
 def _parquet_chunks(path: Path, shown: str, cfg: DataConfig) -> Iterator[SourceChunk]:
-    import pyarrow.parquet as pq
 
     try:
         reader = pq.ParquetFile(path)
@@ -228,7 +230,6 @@ _CONVERSION = re.compile(
 
 def _first_invalid_utf8(path: Path) -> tuple[int, int] | None:
     """(line, byte offset) of the first byte sequence that is not UTF-8, if any."""
-    import codecs
 
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, line = 0, 1
@@ -305,7 +306,6 @@ def _csv_error(path: Path, shown: str, exc: Exception, names: list[str]) -> Data
 
 
 def _csv_chunks(path: Path, shown: str, cfg: DataConfig) -> Iterator[SourceChunk]:
-    import pyarrow.csv as pcsv
 
     def open_csv(types: dict[str, pa.DataType] | None = None) -> pcsv.CSVStreamingReader:
         return pcsv.open_csv(
@@ -344,10 +344,13 @@ def _csv_chunks(path: Path, shown: str, cfg: DataConfig) -> Iterator[SourceChunk
         raise _csv_error(path, shown, exc, names) from exc
 
 
-def open_chunks(cfg: DataConfig, root: Path, task: str = "classification") -> Iterator[SourceChunk]:
-    """All chunks of the configured source, in a stable order, at most data.max_rows rows."""
+def open_chunks(
+    cfg: DataConfig, root: Path, labels: LabelKind = "classes"
+) -> Iterator[SourceChunk]:
+    """All chunks of the configured source, in a stable order, at most data.max_rows rows;
+    `labels`: what the task needs the label column to hold."""
     if cfg.source in BUILTIN_SOURCES:
-        chunks = BUILTIN_SOURCES[cfg.source](cfg, task)
+        chunks = BUILTIN_SOURCES[cfg.source](cfg, labels)
     else:
         read = _parquet_chunks if cfg.source == "parquet" else _csv_chunks
         files = table_files(cfg, root)

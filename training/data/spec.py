@@ -7,10 +7,16 @@ token), so neither of them reads manifest keys by hand.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
-DataKind = Literal["table", "image", "tokens"]
+import numpy as np
+
+from training.data.options import DataKind
+
+# Tokens in an example of a token stream (fewer when the model's context is shorter).
+EXAMPLE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,28 @@ class DataSpec:
             label_std=labels.get("std"),
             feature_names=tuple(names) if names else None,
         )
+
+    @property
+    def column_names(self) -> list[str]:
+        """A table's feature columns as callers name them: the source's names, else
+        f0..fN-1."""
+        size = math.prod(self.feature_shape)
+        if self.feature_names and len(self.feature_names) == size:
+            return list(self.feature_names)
+        return [f"f{i}" for i in range(size)]
+
+    def example(self, batch: int = 2, context: int | None = None) -> np.ndarray:
+        """A batch of this data, for signatures and build checks: float32 features in
+        their raw shape (near the train split's values for tables), or int64 token ids
+        (batch, min(context, EXAMPLE_TOKENS))."""
+        rng = np.random.default_rng(0)
+        if self.kind == "tokens":
+            length = min(context or EXAMPLE_TOKENS, EXAMPLE_TOKENS)
+            return rng.integers(0, self.vocab_size or 2, size=(batch, length), dtype=np.int64)
+        rows = rng.standard_normal((batch, *self.feature_shape))
+        if self.kind == "table" and self.feature_mean is not None:
+            rows = rows * np.asarray(self.feature_std) + np.asarray(self.feature_mean)
+        return rows.astype(np.float32)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training.atomic import atomic_dir, write_json
-from training.config import DataConfig
+from training.data.options import DataConfig
 from training.data.hashing import keys_from_column
 from training.data.sources import ROW_KEY
 from training.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, Tokenizer, train_bpe

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from training.atomic import atomic_file, write_json
 from training.errors import DataError
@@ -136,8 +138,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BpeTokenizer:
     """Train byte-level BPE on `texts`. Deterministic given the texts and their order (the
     library breaks ties between equally frequent pairs by the pair itself). A small corpus
     may yield fewer than `vocab_size` ids: `vocab_size` of the result says how many."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -167,7 +167,6 @@ def load_tokenizer(path: Path) -> Tokenizer:
         return ByteTokenizer()
     if "model" not in saved:
         raise DataError(f"{path} is not a tokenizer gradline wrote; re-run the ingest stage")
-    from tokenizers import Tokenizer as HFTokenizer
 
     try:
         return BpeTokenizer(HFTokenizer.from_str(text))

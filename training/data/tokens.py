@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 from numpy.lib.stride_tricks import sliding_window_view
 
 from training.atomic import atomic_dir, write_json
-from training.config import ShardConfig
-from training.data.shards import (
+from training.data.options import ShardConfig
+from training.data.manifest import (
     MANIFEST,
     MANIFEST_VERSION,
     SPLITS,

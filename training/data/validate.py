@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from training.config import DataConfig
+from training.data.options import USER_TABLE_SOURCES, DataConfig, LabelKind
 from training.data.hashing import content_keys, keys_from_column
 from training.data.sources import (
     BUILTIN_SOURCES,
@@ -30,7 +30,6 @@ from training.data.sources import (
     LABEL,
     LABEL_TYPES,
     ROW_KEY,
-    USER_TABLE_SOURCES,
     RawLayout,
     SourceChunk,
 )
@@ -158,20 +157,15 @@ def schema_change(previous: RawLayout, current: RawLayout) -> str | None:
 
 class Validator:
     def __init__(
-        self, cfg: DataConfig, task: str = "classification", previous: RawLayout | None = None
+        self, cfg: DataConfig, labels: LabelKind = "classes", previous: RawLayout | None = None
     ) -> None:
-        if task not in LABEL_TYPES:
-            raise ConfigError(
-                f"task.type {task} does not fit data.source {cfg.source}: tables and images "
-                f"train {' or '.join(LABEL_TYPES)}"
-            )
         self.cfg = cfg
         self.builtin = cfg.source in BUILTIN_SOURCES
-        self.label_type = LABEL_TYPES[task]
+        self.label_type = LABEL_TYPES[labels]
         self.previous = previous  # the layout of the snapshot this ingest replaces
         self.shape: tuple[int, ...] | None = tuple(cfg.feature_shape) if cfg.feature_shape else None
-        self.num_classes: int | None = cfg.num_classes if task == "classification" else None
-        if task == "classification" and not self.builtin and self.num_classes is None:
+        self.num_classes: int | None = cfg.num_classes if labels == "classes" else None
+        if labels == "classes" and not self.builtin and self.num_classes is None:
             raise ConfigError(
                 f"data.num_classes is required to classify a {cfg.source} table: labels are "
                 "checked against 0..num_classes-1 (or set task.type: regression)"
@@ -198,9 +192,11 @@ class Validator:
     def _plan_builtin(self, schema: pa.Schema) -> ColumnPlan:
         layout = RawLayout.of(schema)
         if layout.label_type != self.label_type:
-            fits = next(t for t, kind in LABEL_TYPES.items() if kind == layout.label_type)
+            held = next(kind for kind, dtype in LABEL_TYPES.items() if dtype == layout.label_type)
+            wanted = next(kind for kind, dtype in LABEL_TYPES.items() if dtype == self.label_type)
             raise ConfigError(
-                f"data.source {self.cfg.source} is a {fits} data set; set task.type: {fits}"
+                f"data.source {self.cfg.source} is a data set labelled with {held} and task.type "
+                f"asks for {wanted}: set the task.type that learns {held}"
             )
         self.shape, self.num_classes = layout.feature_shape, layout.num_classes
         self.feature_names = layout.feature_names

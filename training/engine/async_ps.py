@@ -1,9 +1,9 @@
-"""Asynchronous updates through a parameter server (`parallel.update: async`).
+"""Asynchronous updates through a parameter server (`update.rule: async`).
 
 Rank 0 hosts a parameter server (a thread) besides being a worker; every rank, rank 0
 included, is a worker that loops: pull the newest parameters, compute a gradient on its
 next batch, push it. No worker waits for the others except as the staleness bound
-`s = parallel.max_staleness` requires. Plain data parallelism only: every rank holds a
+`s = update.max_staleness` requires. Plain data parallelism only: every rank holds a
 whole replica of the model.
 
 Semantics:

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from training.engine.timing import adds_seconds
@@ -63,8 +65,6 @@ def _payload(named: dict) -> int:
 
 def _group_size(named: dict) -> int:
     """The number of ranks a collective spans, from its group size, group or group name."""
-    from torch.distributed import ProcessGroup
-    from torch.distributed.distributed_c10d import _resolve_process_group
 
     if isinstance(named.get("group_size"), int):
         return named["group_size"]

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 log = logging.getLogger("gradline.train")
 
@@ -46,8 +48,6 @@ class GradientReducer:
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # restored, not yet laid out
         self.powersgd = None
         if compression == "powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
-
             self.powersgd = PowerSGDState(
                 process_group=None,
                 matrix_approximation_rank=rank,
@@ -60,14 +60,8 @@ class GradientReducer:
     def hook(self, _state, bucket):
         self.last_launch = time.perf_counter()
         if self.compression == "fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-                fp16_compress_hook,
-            )
-
             return fp16_compress_hook(None, bucket)
         if self.compression == "powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
-
             index = bucket.index()
             names = [self.names[id(p)] for p in bucket.parameters()]
             before = self.bucket_names.get(index)

@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from training.config import Config
-from training.data.shards import read_manifest
+from training.data.manifest import read_manifest
 from training.data.spec import DataSpec
 from training.engine.checkpoint import find_latest, load_model_weights
 from training.engine.updates import model_key
 from training.errors import GradlineError
+from training.models.folder import ModelSpec, save_model_dir
+from training.models.registry import build_model
 
 
 class NoFinalCheckpoint(GradlineError):
@@ -27,8 +29,6 @@ class NoFinalCheckpoint(GradlineError):
 def consolidate_model(cfg: Config, shard_dir: Path, job_dir: Path, model_dir: Path, step: int):
     """Write `model_dir` (weights, what rebuilds them, the tokenizer) from the final
     checkpoint of the job in `job_dir`, which must be at `step`."""
-    from training.models import ModelSpec, build_model, save_model_dir
-
     found = find_latest(job_dir)
     if found is None or int(found[1]["step"]) != step:
         at = f"step {found[1]['step']}" if found else "none"

@@ -1,4 +1,5 @@
-"""Fault injection for tests and drills, read from GRADLINE_FAULT in each worker.
+"""Fault injection for tests and drills: GRADLINE_FAULT, read once by the launcher and
+handed to every worker with its job.
 
 Format: `KIND:rank=R:step=S[:seconds=X][:attempt=A][:once=1]`, several separated by `;`.
   kill   - SIGKILL this worker when it reaches step S (on restart attempt A, default 0)
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import time
 from dataclasses import dataclass
@@ -70,17 +72,16 @@ def parse(spec: str) -> list[Fault]:
 
 
 class FaultPlan:
-    def __init__(self, faults: list[Fault], rank: int, record_dir: Path | None = None) -> None:
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """The faults of one worker: its rank's (and every rank's), on restart `attempt`."""
+
+    def __init__(
+        self, faults: list[Fault], rank: int, attempt: int = 0, record_dir: Path | None = None
+    ) -> None:
         self.faults = [f for f in faults if f.rank in (rank, -1)]
         self.rank, self.attempt = rank, attempt
         self.active = bool(self.faults)
         self.record_dir = record_dir
         self._fired: set[Fault] = set()
-
-    @classmethod
-    def from_env(cls, rank: int, record_dir: Path | None = None) -> FaultPlan:
-        return cls(parse(os.environ.get(ENV, "")), rank, record_dir)
 
     def _fire_once(self, fault: Fault, step: int) -> None:
         if fault in self._fired:
@@ -137,6 +138,5 @@ class FaultPlan:
 
 def _draw(rank: int, step: int) -> float:
     """A uniform draw fixed by (rank, step): a rerun hiccups at the same steps."""
-    import random
 
     return random.Random(rank * 1_000_003 + step).random()

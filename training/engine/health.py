@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -92,13 +91,13 @@ def describe(beats: list[dict], now: float | None = None) -> str:
     return "; ".join(parts) + "; the other ranks waited for it in a collective"
 
 
-def record_failure(control: Control, rank: int, exc: BaseException) -> None:
+def record_failure(control: Control, rank: int, attempt: int, exc: BaseException) -> None:
     if beat := _live.get(rank):
         beat.close()  # its last step and phase, not the last once-a-second sample
     payload = {
         "rank": rank,
         "time": time.time(),
-        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "attempt": attempt,
         "error": f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500],
     }
     try:

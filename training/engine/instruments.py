@@ -13,22 +13,26 @@ import time
 from collections.abc import Iterator
 
 from training.engine.control import Control
-from training.engine.faults import FaultPlan
+from training.engine.faults import FaultPlan, parse
 from training.engine.health import SYNC, Heartbeat, mark_resumed
+from training.engine.jobdir import JobDir
 from training.engine.timing import StepTimes
-from training.project import JobDir
+from training.engine.topology import Topology
 
 # The heartbeat's names for the timed phases; a rank seen in "sync" is waiting for peers.
 _BEAT = {"data_wait": "data", "sync_wait": SYNC, "checkpoint_stall": "checkpoint"}
 
 
 class Instruments:
-    def __init__(self, job_dir: JobDir, rank: int, control: Control) -> None:
-        self.heartbeat = Heartbeat(control, rank)
-        self.faults = FaultPlan.from_env(rank, job_dir.health)
+    def __init__(
+        self, job_dir: JobDir, topo: Topology, control: Control, faults: str | None
+    ) -> None:
+        self.heartbeat = Heartbeat(control, topo.rank)
+        self.faults = FaultPlan(parse(faults or ""), topo.rank, topo.attempt, job_dir.health)
         self.times = StepTimes()
         self._health = job_dir.health
-        # This attempt's time in steps (validation excluded) and steps: benchmarks read it.
+        # This attempt's time in steps (validation excluded) and the job's steps taken:
+        # what benchmarks compare (the loop adds them up, see training.engine.loop).
         self.loop_seconds, self.loop_steps = 0.0, 0
         self.last: dict[str, float] = {}  # the latest seconds of each phase
 
@@ -42,7 +46,6 @@ class Instruments:
         seconds = time.perf_counter() - started
         self.last[name] = seconds
         self.times.add(name, seconds)
-        self.loop_seconds += seconds
 
     def stretch(self, step: int, own_compute: float) -> None:
         """Injected slowness (faults `slow` with a factor, `hiccup`): the step's own
@@ -52,7 +55,6 @@ class Instruments:
         extra = self.faults.stretch(step, own_compute)
         time.sleep(extra)
         self.times.add("compute", extra)
-        self.loop_seconds += extra
 
     def move(self, seconds: float, source: str, target: str) -> None:
         """Re-attribute time measured inside one phase to another (sync wait measured
@@ -65,8 +67,8 @@ class Instruments:
         self.heartbeat.beat(step, SYNC)
 
     def step_done(self) -> None:
+        """This rank's gradient is done (its time breakdown is per gradient)."""
         self.times.steps += 1
-        self.loop_steps += 1
 
     def resumed(self, step: int) -> None:
         mark_resumed(self._health, step)

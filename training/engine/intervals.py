@@ -4,21 +4,22 @@ by rank 0 through the tracker, stragglers named; validation metrics; the final r
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
+from training.config import Config
 from training.engine.timing import StepTimes, find_stragglers, gather_times, interval_metrics
 from training.engine.topology import Topology, reduce_over_shares
-from training.tracking import SYSTEM_METRICS, system_metrics
+from training.engine.tracker import Tracker
 
 log = logging.getLogger("gradline.train")
 
 
 class IntervalLog:
-    def __init__(self, cfg, topo: Topology, setup, tracker, times: StepTimes) -> None:
+    def __init__(self, cfg: Config, topo: Topology, tracker: Tracker, times: StepTimes) -> None:
         self.cfg, self.topo, self.tracker, self.times = cfg, topo, tracker, times
         self.losses: list[torch.Tensor] = []
         self.last: dict[str, float] = {}  # the latest value of every metric
@@ -105,14 +106,36 @@ class IntervalLog:
         }
 
 
-def gather_node_metrics(topo) -> dict[str, float]:
+SYSTEM_METRICS = (
+    "system_cpu_percent",
+    "system_memory_percent",
+    "process_rss_gb",
+    "gpu_memory_allocated_gb",
+    "gpu_max_memory_allocated_gb",
+)
+
+
+def system_metrics() -> dict[str, float]:
+    """CPU and memory of this machine and process; GPU memory when CUDA is in use."""
+    process = psutil.Process()
+    metrics = {
+        "system_cpu_percent": psutil.cpu_percent(interval=None),
+        "system_memory_percent": psutil.virtual_memory().percent,
+        "process_rss_gb": process.memory_info().rss / 2**30,
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        metrics["gpu_memory_allocated_gb"] = torch.cuda.memory_allocated() / 2**30
+        metrics["gpu_max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return metrics
+
+
+def gather_node_metrics(topo: Topology) -> dict[str, float]:
     """Every node's CPU, memory (and GPU memory), measured by its first local rank and
     named by node: `system_cpu_percent/node1` (one all-gather per interval)."""
     mine = torch.full((2 + len(SYSTEM_METRICS),), float("nan"), dtype=torch.float64)
     if topo.local_rank == 0:
         found = system_metrics()
-        # torch.distributed.elastic numbers the nodes of each rendezvous round.
-        mine[0] = float(os.environ.get("GROUP_RANK", "0"))
+        mine[0] = float(topo.node_rank)
         mine[1:] = torch.tensor([1.0] + [found.get(k, float("nan")) for k in SYSTEM_METRICS])
     rows = [torch.zeros_like(mine) for _ in range(topo.world_size)]
     dist.all_gather(rows, mine)

@@ -3,9 +3,9 @@ explain failures.
 
 Every node runs the same launcher (one agent per node, as torchrun does): the c10d
 rendezvous on `runtime.rdzv_endpoint` gathers `runtime.nnodes` (N, or MIN:MAX) agents of
-`runtime.world_size` workers each. The elastic agents own starting, watching and
+`runtime.procs_per_node` workers each. The elastic agents own starting, watching and
 restarting workers: when a worker or a node dies, the surviving agents restart theirs (up
-to train.max_restarts), with fewer nodes when MIN allows, and they resume from the latest
+to runtime.max_restarts), with fewer nodes when MIN allows, and they resume from the latest
 checkpoint. SIGTERM to a launcher (a preemption notice) is not forwarded as a kill: it
 becomes a stop request in the control store that every rank sees at its next control
 step, so they checkpoint together and exit; the job then ends with PREEMPTED_EXIT_CODE.
@@ -24,13 +24,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
 from training.config import Config, RuntimeConfig
 from training.engine.consolidate import consolidate_model
 from training.engine.control import Control
+from training.engine.faults import ENV as FAULT_ENV
 from training.engine.health import describe, latest_failures
-from training.engine.loop import TrainJob, worker_main
+from training.engine.job import TrainJob
+from training.engine.jobdir import JobDir
+from training.engine.worker import worker_main
 from training.errors import CRASH_EXIT_CODE, PREEMPTED_EXIT_CODE, GradlineError
-from training.project import JobDir
 
 log = logging.getLogger("gradline.launch")
 
@@ -97,14 +102,12 @@ def _explain(exc: Exception, control: Control, attempts: int, ranks: int) -> str
     return "\n".join(lines)
 
 
-def _launch_config(runtime: RuntimeConfig, control: Control, max_restarts: int):
-    from torch.distributed.launcher.api import LaunchConfig
-
+def _launch_config(runtime: RuntimeConfig, control: Control, max_restarts: int) -> LaunchConfig:
     min_nodes, max_nodes = runtime.node_range
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        nproc_per_node=runtime.world_size,
+        nproc_per_node=runtime.procs_per_node,
         run_id=control.job_id,
         rdzv_backend="c10d",
         rdzv_endpoint=control.endpoint,
@@ -123,16 +126,14 @@ def _launch_config(runtime: RuntimeConfig, control: Control, max_restarts: int):
 
 
 def launch_workers(
-    job: TrainJob, world_size: int, max_restarts: int, control: Control | None = None
+    job: TrainJob, procs_per_node: int, max_restarts: int, control: Control | None = None
 ) -> dict[str, Any] | None:
-    """Run `worker_main(job)` on this node's `world_size` ranks. On the node that ran
+    """Run `worker_main(job)` on this node's `procs_per_node` ranks. On the node that ran
     rank 0, consolidate the trained model into `job.model_dir` from the final checkpoint
-    and return rank 0's result; on the other nodes return None."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-
+    and return rank 0's result; on the other nodes return None. Faults for drills come
+    with the job, or else from GRADLINE_FAULT (read here, once, for every worker)."""
     cfg = Config.model_validate(job.config)
-    runtime = cfg.runtime.model_copy(update={"world_size": world_size})
+    runtime = cfg.runtime.model_copy(update={"procs_per_node": procs_per_node})
     os.environ.setdefault("OMP_NUM_THREADS", str(runtime.threads_per_worker))
     # Each rendezvous round gets a fresh store for the workers, served by rank 0: with
     # the agents' shared store (torch's default), an agent that stays rank 0 when a node
@@ -142,8 +143,11 @@ def launch_workers(
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     JobDir(Path(job.job_dir)).path.mkdir(parents=True, exist_ok=True)
     control = control or open_control(runtime)
-    job = dataclasses.replace(job, rdzv_endpoint=control.endpoint, rdzv_id=control.job_id)
-    ranks = world_size * runtime.node_range[1]
+    faults = job.faults if job.faults is not None else os.environ.get(FAULT_ENV, "")
+    job = dataclasses.replace(
+        job, rdzv_endpoint=control.endpoint, rdzv_id=control.job_id, faults=faults
+    )
+    ranks = runtime.max_world_size
     with _stop_requests_go_to_the_store(control):
         try:
             launch = elastic_launch(_launch_config(runtime, control, max_restarts), worker_main)

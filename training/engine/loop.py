@@ -1,151 +1,71 @@
 """The training loop each worker runs.
 
-Read `train` top to bottom: set up (data, model, objective, parallelism), resume, then
-steps. Each step reads this rank's slice of a global batch (ranks of one tensor- or
-pipeline-parallel group read the same slice; under `balance: measured` slices follow
-the ranks' throughput), runs forward and backward through the layout `parallelize` chose
-(DDP, FSDP2/TP, or a pipeline schedule), steps the optimizer, and lets the update rule
-sync the replicas when one is due (local SGD, DiLoCo). An async job (a parameter server)
-runs segments between barriers instead (training.engine.async_loop). Every
-`log_every_steps` the ranks exchange their time breakdown and losses; every
-`checkpoint_every_steps` every rank writes its shard of a distributed checkpoint; every
-`control_every_steps` the ranks agree on whether the job was asked to stop (preemption).
-Tracking goes through the tracker (a no-op off rank 0).
+Read `train` top to bottom: set up (data, model, objective, layout), resume, then run
+from barrier to barrier. A barrier is a step where every rank must meet: a logging,
+checkpoint, validation or (for synchronous rules) control interval, an epoch's end, the
+last step. Between barriers the layout's update rule advances the job
+(training.engine.steps): synchronous rules take each step in lockstep through `Work`
+(this rank's slice of a global batch, forward and backward through the layout, the
+optimizer, the rule's sync when one is due); asynchronous updates hand this rank's
+gradients to a parameter server. At a barrier the ranks exchange their time breakdown
+and losses, write their shards of a distributed checkpoint, validate, and agree on
+whether the job was asked to stop (preemption). Tracking goes through the tracker (a
+no-op off rank 0).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
-from training.config import Config
+from training.config import Config, RuntimeConfig
 from training.data.loader import LoaderPosition, RankLoader, open_reader, strided_rows
-from training.data.shards import read_manifest
+from training.data.manifest import read_manifest
 from training.data.spec import DataSpec
+from training.data.tokenizer import shard_tokenizer
 from training.engine.balance import Balancer
 from training.engine.checkpoint import Checkpointer, find_latest, load_into
 from training.engine.control import Control
-from training.engine.health import record_failure
 from training.engine.instruments import Instruments
 from training.engine.intervals import IntervalLog
-from training.engine.parallelize import Parallelized, parallelize
+from training.engine.job import TrainJob
+from training.engine.jobdir import JobDir
+from training.engine.parallelize import parallelize
 from training.engine.schedule import lr_at
-from training.engine.state import clip_grad_norm
-from training.engine.topology import (
-    Topology,
-    all_reduce_sum,
-    broadcast_object,
-    process_group,
-    reduce_over_shares,
-)
+from training.engine.steps import Layout, Segment, StepInputs
+from training.engine.topology import Topology, all_reduce_sum, broadcast_object, reduce_over_shares
+from training.engine.tracker import Tracker
 from training.errors import ConfigError
-from training.objectives import Objective, objective_for
+from training.models.registry import build_model, context_length
+from training.objectives import objective_for
+from training.objectives.base import Objective
 from training.progress import Progress
-from training.project import JobDir
-from training.tracking import make_tracker
 
 log = logging.getLogger("gradline.train")
 
 
-@dataclass(frozen=True)
-class TrainJob:
-    """What the launcher hands every worker; plain data so it pickles across spawn."""
-
-    config: dict[str, Any]
-    shard_dir: str
-    job_dir: str
-    model_dir: str
-    tracking_uri: str | None
-    run_id: str | None
-    # The control store (training.engine.control): set by the launcher.
-    rdzv_endpoint: str = ""
-    rdzv_id: str = ""
-
-
-@record  # a worker's exception reaches the launcher's error report
-def worker_main(job: TrainJob) -> dict[str, Any] | None:
-    """Entry point of each worker process started by torch.distributed.elastic."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    _die_with_the_agent()
-    cfg = Config.model_validate(job.config)
-    topo = Topology.from_env(cfg.runtime.backend)
-    # The mesh for the ranks actually started (the launcher's world size is the truth).
-    topo = topo.with_mesh(cfg.parallel.degrees(topo.world_size))
-    # N workers share the machine's cores: cap each so they don't oversubscribe.
-    torch.set_num_threads(cfg.runtime.threads_per_worker)
-    _set_determinism(cfg, topo)
-    job_dir = JobDir(Path(job.job_dir))
-    control = Control.connect(job.rdzv_endpoint, job.rdzv_id, cfg.runtime.collective_timeout_s)
-    tracker = make_tracker(topo.is_main, job.tracking_uri, job.run_id, job_dir.journal)
-    try:
-        with process_group(topo, cfg.runtime.collective_timeout_s):
-            return train(cfg, topo, job, tracker, control)
-    except BaseException as exc:
-        # Name the root cause for the launcher: the first rank to fail takes its peers
-        # down with it, and elastic may report a peer's error instead.
-        record_failure(control, topo.rank, exc)
-        _exit_soon(10.0)
-        raise
-
-
-def _die_with_the_agent() -> None:
-    """Linux: end this worker when its agent dies. A node whose agent was killed must
-    leave the job, not keep a rank training that no agent watches or restarts."""
-    import ctypes
-    import signal
-    import sys
-
-    if sys.platform != "linux":
-        return
-    agent = os.getppid()  # may be 1 itself: the agent is PID 1 in many containers
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != agent:  # the agent died before prctl took effect
-        os._exit(1)
-
-
-def _exit_soon(seconds: float) -> None:
-    """Bound the teardown of a failed worker: tearing down communication can block on a
-    peer that is itself waiting in a collective, and a worker that never exits would
-    keep the agent from restarting the job."""
-    import threading
-
-    timer = threading.Timer(seconds, os._exit, args=(1,))
-    timer.daemon = True
-    timer.start()
-
-
-def _set_determinism(cfg: Config, topo: Topology) -> None:
-    if not cfg.train.deterministic:
-        return
-    if topo.device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(True)
-
-
-def _autocast(cfg: Config, topo: Topology) -> contextlib.AbstractContextManager:
-    precision = cfg.train.precision
+def autocast_for(
+    precision: str, device: torch.device
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """The mixed precision of every forward: bf16 autocast on CUDA under auto."""
     if precision == "auto":
-        precision = "bf16" if topo.device.type == "cuda" else "fp32"
+        precision = "bf16" if device.type == "cuda" else "fp32"
     if precision == "fp32":
-        return contextlib.nullcontext()
-    if topo.device.type != "cuda":
+        return contextlib.nullcontext
+    if device.type != "cuda":
         raise ConfigError("train.precision=bf16 needs CUDA; use auto or fp32 on CPU")
-    return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)
 
 
-def _step_seed(seed: int, topo: Topology, step: int) -> int:
+def step_seed(seed: int, topo: Topology, step: int) -> int:
     # Random streams (dropout) depend only on (seed, data-parallel rank, pipeline stage,
     # step): resume needs no RNG state, the ranks of one tensor-parallel group draw the
     # same masks, and two pipeline stages do not draw the same ones.
@@ -156,24 +76,21 @@ def _step_seed(seed: int, topo: Topology, step: int) -> int:
 class Setup:
     """Everything a worker builds before its first step."""
 
-    manifest: dict[str, Any]
     data: DataSpec
     loader: RankLoader
     val_reader: Any
-    val_rows: Any
+    val_rows: np.ndarray
     objective: Objective
-    model: Parallelized  # with its optimizers (model.optimizer)
+    layout: Layout  # how the model is spread over the ranks, with its update rule
     total_steps: int
-    sampler: Any  # language models: model -> sampled continuations of fixed prompts
+    sampler: Callable[[torch.nn.Module], str] | None  # what a validation shows, if anything
     balancer: Balancer  # rows per rank of each global batch
 
 
 def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
-    from training.models import build_model, context_length
-
     manifest = read_manifest(shard_dir)
     data = DataSpec.from_manifest(manifest)
-    context = context_length(cfg.model, cfg.task.type)
+    context = context_length(cfg.model, data.kind)
     quantum = cfg.train.grad_accum_steps  # every micro-batch gets rows
     balancer = Balancer(cfg.parallel, cfg.train.batch_size, topo.dp_rank, topo.dp_size, quantum)
     loader = RankLoader(
@@ -184,78 +101,48 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         seed=cfg.train.seed,
     )
     val_reader = open_reader(shard_dir, manifest, "val", context=context)
-    objective = objective_for(cfg.task.type, data, _token_bytes(shard_dir, manifest))
+    tokenizer = shard_tokenizer(shard_dir, manifest) if data.kind == "tokens" else None
+    objective = objective_for(cfg.task.type, data, tokenizer)
+    total = cfg.train.epochs * loader.batches_per_epoch
+    total = min(total, cfg.train.max_steps or total)
 
     def build() -> torch.nn.Module:
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         return build_model(cfg.model, cfg.task.type, data)
 
-    total = cfg.train.epochs * loader.batches_per_epoch
-    total = min(total, cfg.train.max_steps or total)
-
-    def before_server_step(version: int, _params) -> None:
-        # An async job's optimizer steps happen on rank 0's parameter server: the same
-        # schedule and clipping as a synchronous step (train_step).
-        for group in model.optimizer.param_groups:
-            group["lr"] = lr_at(version, total, cfg.optim)
-        if cfg.optim.grad_clip:
-            clip_grad_norm([model.ps.server_model], cfg.optim.grad_clip, replicated=True)
-
-    model = parallelize(build, cfg, topo, objective.loss, before_server_step)
+    layout = parallelize(
+        build,
+        cfg,
+        topo,
+        objective.loss,
+        autocast_for(cfg.train.precision, topo.device),
+        lambda step: lr_at(step, total, cfg.optim),
+    )
     return Setup(
-        manifest=manifest,
         data=data,
         loader=loader,
         val_reader=val_reader,
         val_rows=strided_rows(val_reader.num_rows, topo.dp_size, topo.dp_rank),
         objective=objective,
-        model=model,
+        layout=layout,
         total_steps=total,
-        sampler=_sampler(cfg, shard_dir, manifest, context),
+        sampler=objective.sampler(cfg.generation(), context),
         balancer=balancer,
-    )
-
-
-def _token_bytes(shard_dir: Path, manifest: dict[str, Any]):
-    if manifest.get("kind") != "tokens":
-        return None
-    from training.data.tokenizer import shard_tokenizer
-
-    return shard_tokenizer(shard_dir, manifest).token_bytes()
-
-
-def _sampler(cfg: Config, shard_dir: Path, manifest: dict[str, Any], context: int | None):
-    """For language models, what a validation logs beside its metrics: continuations of
-    the task's fixed prompts, so the run shows what the model writes as it learns."""
-    if manifest.get("kind") != "tokens":
-        return None
-    from training.data.tokenizer import shard_tokenizer
-    from training.evaluate import sample_text
-
-    tokenizer, task = shard_tokenizer(shard_dir, manifest), cfg.task
-    return lambda model: sample_text(
-        model,
-        tokenizer,
-        task.prompts,
-        task.max_new_tokens,
-        task.temperature,
-        task.top_k,
-        context,
-        seed=cfg.train.seed,
     )
 
 
 def resume(
     setup: Setup, topo: Topology, job_dir: JobDir, intervals: IntervalLog
-) -> tuple[LoaderPosition, int, str]:
+) -> tuple[int, str]:
     """Rank 0 picks the newest complete checkpoint, so every rank resumes from the same
-    one; each rank then loads its own shards of it, whatever layout wrote it."""
+    one; each rank then loads its own shards of it, whatever layout wrote it. Returns the
+    step to continue from and the checkpoint ("" when starting afresh)."""
     found = find_latest(job_dir.path) if topo.is_main else None
     chosen = broadcast_object((str(found[0]), found[1]) if found else None, topo)
     if not chosen:
-        return LoaderPosition(), 0, ""
+        return 0, ""
     resume_from, train_state = chosen
-    state = setup.model.resume_state(train_state)
+    state = setup.layout.resume_state(train_state)
     shards = state.state_dict()  # this layout's shards, filled in place from the checkpoint
     load_into(Path(resume_from), shards)
     state.load_state_dict(shards)
@@ -263,195 +150,288 @@ def resume(
     setup.loader.shares = setup.balancer.shares
     intervals.totals.update(train_state.get("totals", {}))
     step = int(train_state["step"])
-    log.info("rank %d resumed from %s at step %d", topo.rank, resume_from, step)
-    return LoaderPosition.from_state_dict(train_state["loader"]), step, resume_from
-
-
-def train_step(cfg: Config, setup: Setup, topo: Topology, batch, step: int, inst) -> torch.Tensor:
-    """One optimizer step on this rank's share of a global batch, then the update rule's
-    sync if one is due; returns the share's loss (weighted by its size)."""
-    x, y = batch
-    model = setup.model
-    measure = (step + 1) % cfg.runtime.log_every_steps == 0  # sample communication
-    with inst.phase("compute", step):
-        torch.manual_seed(_step_seed(cfg.train.seed, topo, step))
-        inst.collective(step)
-        outcome = model.forward_backward(
-            x,
-            y,
-            setup.objective.loss,
-            cfg.train.grad_accum_steps,
-            lambda: _autocast(cfg, topo),
-            measure,
-            step=step,
-            loss_scale=setup.balancer.loss_scale,
+    position = LoaderPosition.from_state_dict(train_state["loader"])
+    if (position.epoch, position.batch_index) != divmod(step, setup.loader.batches_per_epoch):
+        raise ConfigError(
+            f"{resume_from} stands at step {step} but at epoch {position.epoch}, batch "
+            f"{position.batch_index} of the data: it was written for other data or another "
+            "train.batch_size; start a new job (gradline run --force)"
         )
-    inst.times.bytes_sent += outcome.bytes_sent
-    inst.move(outcome.sync_wait, "compute", "sync_wait")
-    inst.move(outcome.bubble, "compute", "pipeline_bubble")
-    inst.stretch(step, inst.last["compute"] - outcome.sync_wait - outcome.bubble)
-    with inst.phase("optimizer", step):
-        for group in setup.model.optimizer.param_groups:
-            group["lr"] = lr_at(step, setup.total_steps, cfg.optim)
-        if cfg.optim.grad_clip:
-            model.clip_grad_norm(cfg.optim.grad_clip)
-        setup.model.optimizer.step()
-        setup.model.optimizer.zero_grad(set_to_none=True)
-    with inst.phase("sync_wait", step):  # local SGD / DiLoCo: average every H steps
-        inst.times.bytes_sent += model.after_step(step + 1)
-    inst.step_done()
-    return outcome.loss
+    log.info("rank %d resumed from %s at step %d", topo.rank, resume_from, step)
+    return step, resume_from
+
+
+class StepBatches:
+    """This rank's batch of step n, read in order (a new reader on a jump or a new share)."""
+
+    def __init__(self, loader: RankLoader, workers: int, device: torch.device) -> None:
+        self.loader, self.workers, self.device = loader, workers, device
+        self.expected, self.batches = -1, None
+
+    def reset(self) -> None:
+        """The shares changed: the next batch is read with them."""
+        self.expected = -1
+
+    def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, index = divmod(n, self.loader.batches_per_epoch)
+        if n != self.expected or index == 0:
+            on_gpu = self.device.type == "cuda"
+            self.batches: Iterator = self.loader.tensors(epoch, index, self.workers, on_gpu)
+        self.expected = n + 1
+        x, y = next(self.batches)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
+class Work:
+    """This rank's work for step n (training.engine.steps.StepWork): its gradient, or a
+    whole synchronous step."""
+
+    def __init__(
+        self, cfg: Config, setup: Setup, topo: Topology, inst: Instruments, resumed_at: int | None
+    ) -> None:
+        self.cfg, self.setup, self.topo, self.inst = cfg, setup, topo, inst
+        self.batches = StepBatches(setup.loader, cfg.runtime.loader_workers, topo.device)
+        self.resumed_at = resumed_at  # the first step after a resume (None: a fresh start)
+
+    def _inputs(self, n: int, **extra) -> StepInputs:
+        with self.inst.phase("data_wait", n):
+            x, y = self.batches.get(n)
+        micro = self.cfg.train.grad_accum_steps
+        return StepInputs(x, y, n, micro, **extra)
+
+    def gradient(self, n: int) -> tuple[float, int]:
+        inputs, inst = self._inputs(n), self.inst
+        with inst.phase("compute", n):
+            torch.manual_seed(step_seed(self.cfg.train.seed, self.topo, n))
+            outcome = self.setup.layout.forward_backward(inputs)
+        inst.stretch(n, inst.last["compute"])
+        self._done(n)
+        return outcome.loss.item(), len(inputs.x)
+
+    def step(self, n: int) -> torch.Tensor:
+        cfg, layout, inst = self.cfg, self.setup.layout, self.inst
+        measure = (n + 1) % cfg.runtime.log_every_steps == 0  # sample communication
+        inputs = self._inputs(n, loss_scale=self.setup.balancer.loss_scale, measure_comm=measure)
+        with inst.phase("compute", n):
+            torch.manual_seed(step_seed(cfg.train.seed, self.topo, n))
+            inst.collective(n)
+            outcome = layout.forward_backward(inputs)
+        inst.times.bytes_sent += outcome.bytes_sent
+        inst.move(outcome.sync_wait, "compute", "sync_wait")
+        inst.move(outcome.bubble, "compute", "pipeline_bubble")
+        inst.stretch(n, inst.last["compute"] - outcome.sync_wait - outcome.bubble)
+        with inst.phase("optimizer", n):
+            layout.optimizer_step(lr_at(n, self.setup.total_steps, cfg.optim), cfg.optim.grad_clip)
+        with inst.phase("sync_wait", n):  # local SGD / DiLoCo: average every H steps
+            inst.times.bytes_sent += layout.after_step(n + 1)
+        self._done(n)
+        return outcome.loss
+
+    def _done(self, n: int) -> None:
+        self.inst.step_done()
+        if n == self.resumed_at and self.topo.is_main:
+            self.inst.resumed(n + 1)
+
+
+class Barriers:
+    """The steps where every rank meets, and which of them check for a stop request.
+
+    A synchronous rule can stop at any step, so it checks every control_every_steps; an
+    asynchronous one only meets at barriers, so it checks at every barrier rather than
+    add control intervals as barriers of their own."""
+
+    def __init__(self, rt: RuntimeConfig, per_epoch: int, total: int, lockstep: bool) -> None:
+        intervals = [rt.log_every_steps, rt.checkpoint_every_steps, rt.eval_every_steps]
+        if lockstep:
+            intervals.append(rt.control_every_steps)
+        self.intervals = [i for i in (*intervals, per_epoch) if i]
+        self.total, self.rt, self.lockstep = total, rt, lockstep
+
+    def next(self, step: int) -> int:
+        return min([self.total, *((step // i + 1) * i for i in self.intervals)])
+
+    def stop_check_due(self, step: int) -> bool:
+        return not self.lockstep or step % self.rt.control_every_steps == 0
 
 
 def validate(cfg: Config, setup: Setup, topo: Topology) -> dict[str, float]:
     """The task's validation metrics over the whole split, each data-parallel share
     scoring its rows (under a pipeline, the last stage scores)."""
-    model, batch_size = setup.model, cfg.evaluate.batch_size
+    layout, batch_size = setup.layout, cfg.evaluate.batch_size
 
     def reduce(stats: torch.Tensor) -> torch.Tensor:
         # A sharded or pipelined forward is a collective, so every rank must make the
         # same number of calls: shares with fewer rows run the difference on one row.
-        if model.forward_is_collective:
+        if layout.forward_is_collective:
             most = -(-setup.val_reader.num_rows // topo.dp_size)  # rows of the largest share
             spare = -(-most // batch_size) - (-(-len(setup.val_rows) // batch_size))
             x, _ = setup.val_reader.gather(np.arange(min(1, setup.val_reader.num_rows)))
             for _ in range(spare):
-                model.forward(torch.from_numpy(x).to(topo.device))
+                layout.forward(torch.from_numpy(x).to(topo.device))
         return reduce_over_shares(stats, topo)
 
-    model.train(False)
+    layout.train(False)
     try:
         with torch.no_grad():
             return setup.objective.score(
-                model.forward,
+                layout.forward,
                 setup.val_reader,
                 setup.val_rows,
                 batch_size,
                 topo.device,
                 reduce=reduce,
                 prefix="val",
-            )
+            ).metrics
     finally:
-        model.train(True)
+        layout.train(True)
 
 
-def _preempt_requested(control: Control, topo: Topology) -> bool:
+def _stop_requested(control: Control, topo: Topology) -> bool:
     """True on every rank if a launcher on any node was asked to stop: rank 0 reads the
     store, one all-reduce tells the others."""
     flag = torch.tensor([float(topo.is_main and control.stop_requested())])
     return all_reduce_sum(flag).item() > 0
 
 
-def train(
-    cfg: Config, topo: Topology, job: TrainJob, tracker, control: Control
-) -> dict[str, Any] | None:
-    rt, job_dir = cfg.runtime, JobDir(Path(job.job_dir))
-    setup = set_up(cfg, topo, Path(job.shard_dir))
-    inst = Instruments(job_dir, topo.rank, control)
-    intervals = IntervalLog(cfg, topo, setup, tracker, inst.times)
-    position, step, resumed_from = resume(setup, topo, job_dir, intervals)
-    inst.times.reset()  # the first interval's clock starts with training, not set-up
-    checkpointer = Checkpointer.for_job(topo, job_dir.path, rt, tracker)
-    checkpointer.last_step = step  # what we resumed from is on disk already
-    progress = Progress("train", setup.total_steps, "steps", done=step) if topo.is_main else None
-    on_gpu, preempted, started_at = topo.device.type == "cuda", False, step
+class Attempt:
+    """One attempt of the job on this rank, resumed from the newest checkpoint: what the
+    steps and the barriers share."""
 
-    def save(step: int, position: LoaderPosition) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        topo: Topology,
+        setup: Setup,
+        job: TrainJob,
+        tracker: Tracker,
+        control: Control,
+    ) -> None:
+        self.cfg, self.topo, self.setup, self.tracker, self.control = (
+            cfg, topo, setup, tracker, control
+        )  # fmt: skip
+        job_dir = JobDir(Path(job.job_dir))
+        self.per_epoch = setup.loader.batches_per_epoch
+        self.inst = Instruments(job_dir, topo, control, job.faults)
+        self.intervals = IntervalLog(cfg, topo, tracker, self.inst.times)
+        self.start, resumed_from = resume(setup, topo, job_dir, self.intervals)
+        self.inst.times.reset()  # the first interval's clock starts with training
+        self.checkpointer = Checkpointer.for_job(topo, job_dir.path, cfg.runtime, tracker)
+        self.checkpointer.last_step = self.start  # what we resumed from is on disk already
+        self.work = Work(cfg, setup, topo, self.inst, self.start if resumed_from else None)
+        lockstep = setup.layout.rule.lockstep
+        self.barriers = Barriers(cfg.runtime, self.per_epoch, setup.total_steps, lockstep)
+
+    def save(self, step: int) -> None:
+        layout, inst = self.setup.layout, self.inst
         train_state = {
             "step": step,
-            "loader": position.state_dict(),
-            "world_size": topo.world_size,
-            "mesh": topo.mesh,
-            "shares": setup.balancer.shares,
-            "totals": dict(intervals.totals),
-            **setup.model.checkpoint_info(),
+            "loader": LoaderPosition(*divmod(step, self.per_epoch)).state_dict(),
+            "world_size": self.topo.world_size,
+            "mesh": self.topo.shape.as_dict(),
+            "shares": self.setup.balancer.shares,
+            "totals": dict(self.intervals.totals),
+            **layout.checkpoint_info(),
         }
         with inst.phase("checkpoint_stall", step):
-            checkpointer.save(step, setup.model.state.state_dict(), train_state, intervals.last)
+            self.checkpointer.save(
+                step, layout.state.state_dict(), train_state, self.intervals.last
+            )
+        inst.loop_seconds += inst.last["checkpoint_stall"]
 
-    def evaluate(step: int, epoch: int) -> None:
-        inst.collective(step)
+    def evaluate(self, step: int) -> None:
+        setup, topo, layout = self.setup, self.topo, self.setup.layout
+        self.inst.collective(step)
         started = time.perf_counter()
-        intervals.log_validation(validate(cfg, setup, topo), step, epoch)
+        metrics = validate(self.cfg, setup, topo)
+        self.intervals.log_validation(metrics, step, -(-step // self.per_epoch))
         # Sampling runs the whole model: on rank 0 when it holds a replica, on every rank
         # together when it is sharded, not at all when it is cut into pipeline stages.
-        whole, model = setup.model.whole, setup.model
-        runs_here = topo.is_main or model.forward_is_collective
-        if setup.sampler is not None and whole is not None and runs_here:
-            text = setup.sampler(whole)
+        runs_here = topo.is_main or layout.forward_is_collective
+        if setup.sampler is not None and layout.whole is not None and runs_here:
+            text = setup.sampler(layout.whole)
             if topo.is_main:
-                tracker.log_text(text, f"samples/step-{step:08d}.txt")
+                self.tracker.log_text(text, f"samples/step-{step:08d}.txt")
         # Training time excludes validation: the interval's clock skips it.
-        inst.times.started += time.perf_counter() - started
+        self.inst.times.started += time.perf_counter() - started
 
-    if setup.model.asynchronous:  # segments between barriers, not lockstep steps
-        from training.engine.async_loop import run_segments
+    def advance(self, step: int) -> tuple[int, Segment]:
+        """Run the update rule from `step` to the next barrier, and count what it did."""
+        inst, until = self.inst, self.barriers.next(step)
+        inst.collective(step)
+        started = time.perf_counter()
+        segment = self.setup.layout.rule.advance(step, until, self.work)
+        inst.loop_seconds += time.perf_counter() - started
+        inst.loop_steps += segment.end - step
+        inst.times.add("sync_wait", segment.sync_wait)
+        inst.times.bytes_sent += segment.bytes_sent
+        for loss in segment.losses:
+            self.intervals.add_loss(torch.as_tensor(loss))
+        return segment.end, segment
 
-        step, position, preempted = run_segments(
-            cfg, setup, topo, control, inst, intervals, tracker, progress, save, evaluate, step
-        )
-    else:
-        for epoch in range(position.epoch, cfg.train.epochs):
-            start = position.batch_index if epoch == position.epoch else 0
-            batches = setup.loader.tensors(epoch, start, rt.loader_workers, on_gpu)
-            for index in range(start, setup.loader.batches_per_epoch):
-                if preempted or step >= setup.total_steps:
-                    break
-                with inst.phase("data_wait", step):
-                    x, y = next(batches)
-                    if on_gpu:
-                        x = x.to(topo.device, non_blocking=True)
-                        y = y.to(topo.device, non_blocking=True)
-                intervals.add_loss(train_step(cfg, setup, topo, (x, y), step, inst))
-                step += 1
-                if step == setup.total_steps:  # one model: local replicas average a last time
-                    with inst.phase("sync_wait", step):
-                        inst.times.bytes_sent += setup.model.finish(step)
-                position = LoaderPosition(epoch=epoch, batch_index=index + 1)
-                if progress is not None:
-                    progress.advance()
-                checkpoint_due = step % rt.checkpoint_every_steps == 0
-                # A checkpoint closes the logging interval too: a job resumed from it must
-                # find every step up to it already journaled, or its losses would be lost.
-                if step % rt.log_every_steps == 0 or checkpoint_due:
-                    inst.collective(step)
-                    ranks = intervals.close(step, setup.model.optimizer.param_groups[0]["lr"])
-                    if setup.balancer.remeasure(ranks, intervals.closed):
-                        # New shares from the next global batch on: every rank re-reads.
-                        setup.loader.shares = setup.balancer.shares
-                        batches = setup.loader.tensors(epoch, index + 1, rt.loader_workers, on_gpu)
-                        tracker.log_metrics(setup.balancer.metrics(), step)
-                        if topo.is_main:
-                            log.info("balance: rows per rank now %s", setup.balancer.shares)
-                if checkpoint_due:
-                    save(step, position)
-                if rt.eval_every_steps and step % rt.eval_every_steps == 0:
-                    evaluate(step, epoch)
-                if step % rt.control_every_steps == 0:
-                    inst.collective(step)
-                    preempted = _preempt_requested(control, topo)
-                if resumed_from and step == started_at + 1 and topo.is_main:
-                    inst.resumed(step)
-            if preempted:
-                break
-            if position.batch_index == setup.loader.batches_per_epoch:
-                position = LoaderPosition(epoch=epoch + 1, batch_index=0)
-            evaluate(step, epoch + 1)
-            if step >= setup.total_steps:
-                break
+    def at_barrier(self, step: int, segment: Segment) -> bool:
+        """The barrier's work; True when the job was asked to stop."""
+        rt, inst, layout = self.cfg.runtime, self.inst, self.setup.layout
+        if step == self.setup.total_steps:  # one model: local replicas average a last time
+            with inst.phase("sync_wait", step):
+                inst.times.bytes_sent += layout.finish(step)
+        checkpoint_due = step % rt.checkpoint_every_steps == 0
+        # A checkpoint closes the logging interval too: a job resumed from it must find
+        # every step up to it already journaled, or its losses would be lost.
+        if step % rt.log_every_steps == 0 or checkpoint_due:
+            self.close_interval(step)
+        if segment.metrics:
+            self.tracker.log_metrics(segment.metrics, step)
+        if checkpoint_due:
+            self.save(step)
+        epoch_end = step % self.per_epoch == 0 or step == self.setup.total_steps
+        if (rt.eval_every_steps and step % rt.eval_every_steps == 0) or epoch_end:
+            self.evaluate(step)
+        if not self.barriers.stop_check_due(step):
+            return False
+        inst.collective(step)
+        return _stop_requested(self.control, self.topo)
+
+    def close_interval(self, step: int) -> None:
+        """Log the interval; under measured balance, new shares from the next batch on."""
+        setup = self.setup
+        self.inst.collective(step)
+        ranks = self.intervals.close(step, setup.layout.lr)
+        if setup.balancer.remeasure(ranks, self.intervals.closed):
+            setup.loader.shares = setup.balancer.shares
+            self.work.batches.reset()  # every rank re-reads with the new shares
+            self.tracker.log_metrics(setup.balancer.metrics(), step)
+            if self.topo.is_main:
+                log.info("balance: rows per rank now %s", setup.balancer.shares)
+
+
+def train(
+    cfg: Config, topo: Topology, job: TrainJob, tracker: Tracker, control: Control
+) -> dict[str, Any] | None:
+    setup = set_up(cfg, topo, Path(job.shard_dir))
+    run = Attempt(cfg, topo, setup, job, tracker, control)
+    step, total = run.start, setup.total_steps
+    progress = Progress("train", total, "steps", done=step) if topo.is_main else None
+
+    stopped = False
+    while step < total and not stopped:
+        done, segment = run.advance(step)
+        if progress is not None:
+            progress.advance(done - step)
+        step = done
+        stopped = run.at_barrier(step, segment)
 
     if progress is not None:
         progress.close()
-    intervals.close(step, setup.model.optimizer.param_groups[0]["lr"], final=True)
-    save(step, position)  # the final (or preemption) state, always
-    checkpointer.close()
-    setup.model.close()
-    intervals.finish()
+    run.intervals.close(step, setup.layout.lr, final=True)
+    run.save(step)  # the final (or preemption) state, always
+    run.checkpointer.close()
+    setup.layout.close()
+    run.intervals.finish()
     tracker.close()
-    inst.close()
-    if preempted:
+    run.inst.close()
+    if stopped:
         log.warning("rank %d: stopping at step %d on request (preemption)", topo.rank, step)
         return {"preempted": True, "step": step}
     if not topo.is_main:
         return None
-    return intervals.result(step, inst, checkpointer.stall_seconds)
+    return run.intervals.result(step, run.inst, run.checkpointer.stall_seconds)

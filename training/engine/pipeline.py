@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining
 
 from training.engine.timing import adds_seconds
 from training.errors import ConfigError
@@ -62,7 +63,6 @@ class Pipeline:
         group,
         device: torch.device,
     ) -> None:
-        from torch.distributed import pipelining
 
         self.parts, self.indices, self.stages, self.group = parts, indices, stages, group
         self.clock = ComputeClock()

@@ -14,7 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
 
 from training.errors import ConfigError
 
@@ -34,12 +37,6 @@ def tensor_parallel_plan(module: nn.Module) -> dict[str, str]:
 
 
 def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh) -> None:
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {}
     for pattern, style in tensor_parallel_plan(module).items():
@@ -69,8 +66,6 @@ def shard_units(module: nn.Module) -> list[nn.Module]:
 def apply_activation_checkpointing(module: nn.Module) -> None:
     """Recompute each block's activations in backward instead of keeping them. The
     forward is replaced in place (no wrapper module) so parameter names do not change."""
-    from torch.utils.checkpoint import checkpoint
-
     for unit in shard_units(module) or [module]:
         inner = unit.forward
 
@@ -88,8 +83,6 @@ def apply_fsdp(
     reshard_after_forward: bool,
 ) -> None:
     """Shard each block, then the root (embeddings, head and the rest) over `mesh`."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     # Both explicit: FSDP2 reads a reduce dtype of None as "the compute dtype", which
     # would reduce bf16 parameters' gradients in bf16.
     policy = MixedPrecisionPolicy(

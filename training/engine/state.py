@@ -1,10 +1,11 @@
 """The training state of one rank, in a form every layout shares.
 
 A rank holds one or more model parts (the whole model, or its pipeline stages), each
-with its own optimizer. `TrainState` is what distributed checkpoints save and load: its
-state dict is keyed by the whole model's parameter names (with flattened optimizer
-state), whatever the layout, so a checkpoint written under one layout loads under any
-other (torch.distributed.checkpoint reshards by name).
+with its own optimizer (`optim.name`: AdamW, or SGD with momentum). `TrainState` is what
+distributed checkpoints save and load: its state dict is keyed by the whole model's
+parameter names (with flattened optimizer state), whatever the layout, so a checkpoint
+written under one layout loads under any other (torch.distributed.checkpoint reshards
+by name).
 """
 
 from __future__ import annotations
@@ -24,20 +25,38 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from training.config import OptimConfig
+
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def make_optimizer(params, optim: OptimConfig) -> torch.optim.Optimizer:
+    """`optim.name`'s optimizer over `params`."""
+    if optim.name == "sgd":
+        momentum = optim.momentum
+        return torch.optim.SGD(
+            params,
+            lr=optim.lr,
+            momentum=momentum,
+            nesterov=momentum > 0,
+            weight_decay=optim.weight_decay,
+        )
+    return torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
 
 
 class OptimizerGroup:
     """One optimizer per model part, stepped together (what the loop sees as one)."""
 
-    def __init__(self, parts: list[nn.Module], lr: float, weight_decay: float) -> None:
-        self.optimizers = [
-            torch.optim.AdamW(part.parameters(), lr=lr, weight_decay=weight_decay) for part in parts
-        ]
+    def __init__(self, parts: list[nn.Module], optim: OptimConfig) -> None:
+        self.optimizers = [make_optimizer(part.parameters(), optim) for part in parts]
 
     @property
     def param_groups(self) -> list[dict]:
         return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = lr
 
     def step(self) -> None:
         for opt in self.optimizers:

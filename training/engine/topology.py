@@ -1,8 +1,10 @@
 """Topology and process-group lifecycle: the one place that sets torch.distributed up.
 
-`Topology` is this worker's place in the job: global rank, world size, device, and its
-coordinates on the job's device mesh (pp, dp_replicate, dp_shard, tp; ranks laid out
-with tp varying fastest). The data-parallel coordinates say which share of each global
+`Topology` is this worker's place in the job: global rank, world size, device, its node
+and the restart attempt, and its coordinates on the job's device mesh (pp, dp_replicate,
+dp_shard, tp; ranks laid out with tp varying fastest). The mesh's sizes (`shape`) and
+the `DeviceMesh` built over them (`device_mesh`, for the layouts that shard) are two
+names for two things. The data-parallel coordinates say which share of each global
 batch a rank reads: ranks of one tensor- or pipeline-parallel group read the same rows.
 """
 
@@ -11,41 +13,90 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from training.config import MESH_DIMS
 from training.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class MeshShape:
+    """The device mesh's sizes, outermost first (MESH_DIMS order)."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @classmethod
+    def of(cls, sizes: dict[str, int]) -> MeshShape:
+        return cls(**{d: int(sizes[d]) for d in MESH_DIMS})
+
+    def as_dict(self) -> dict[str, int]:
+        return {d: getattr(self, d) for d in MESH_DIMS}
+
+    @property
+    def size(self) -> int:
+        product = 1
+        for f in fields(self):
+            product *= getattr(self, f.name)
+        return product
+
+    @property
+    def data_parallel(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def plain_data_parallel(self) -> bool:
+        """Whole replicas only: nothing sharded, tensor-parallel or pipelined."""
+        return self.dp_shard == 1 and self.tp == 1 and self.pp == 1
+
+
+@dataclass(frozen=True)
 class Topology:
-    """Rank, world size, device and data-parallel coordinates: built once, passed down."""
+    """Where this worker is in the job: built once from the environment, passed down."""
 
     rank: int
     world_size: int
     local_rank: int
     backend: str
     device: torch.device
-    # Mesh sizes (pp, dp_replicate, dp_shard, tp); plain data parallelism until set.
-    mesh: dict[str, int] = field(default_factory=dict)
+    node_rank: int = 0  # which node of this rendezvous round (torch elastic's group rank)
+    nodes: int = 1  # nodes in this round
+    attempt: int = 0  # restarts of the workers so far (0 on the first attempt)
+    # Mesh sizes; plain data parallelism over every rank until set.
+    shape: MeshShape | None = None
+    device_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
-    def with_mesh(self, mesh: dict[str, int]) -> Topology:
-        return replace(self, mesh=dict(mesh))
+    def __post_init__(self) -> None:
+        if self.shape is None:
+            object.__setattr__(self, "shape", MeshShape(dp_replicate=self.world_size))
 
-    def _size(self, dim: str) -> int:
-        return self.mesh.get(dim, self.world_size if dim == "dp_replicate" else 1)
+    def with_shape(self, sizes: dict[str, int] | MeshShape) -> Topology:
+        shape = sizes if isinstance(sizes, MeshShape) else MeshShape.of(sizes)
+        return replace(self, shape=shape, device_mesh=None)
+
+    def with_device_mesh(self) -> Topology:
+        """The same worker with the DeviceMesh of its shape (a collective: every rank
+        builds it at the same point)."""
+        sizes = tuple(getattr(self.shape, d) for d in MESH_DIMS)
+        mesh = init_device_mesh(self.device.type, sizes, mesh_dim_names=MESH_DIMS)
+        return replace(self, device_mesh=mesh)
 
     def coordinate(self, dim: str) -> int:
         """This rank's index along `dim` (the mesh is row-major in MESH_DIMS order)."""
         inner = 1
         for d in reversed(MESH_DIMS):
+            size = getattr(self.shape, d)
             if d == dim:
-                return (self.rank // inner) % self._size(d)
-            inner *= self._size(d)
+                return (self.rank // inner) % size
+            inner *= size
         raise KeyError(dim)
 
     @property
@@ -55,35 +106,56 @@ class Topology:
     @property
     def dp_rank(self) -> int:
         """Which share of each global batch this rank reads."""
-        return self.coordinate("dp_replicate") * self._size("dp_shard") + self.coordinate(
-            "dp_shard"
-        )
+        return self.coordinate("dp_replicate") * self.shape.dp_shard + self.coordinate("dp_shard")
 
     @property
     def dp_size(self) -> int:
         """How many shares each global batch is cut into."""
-        return self._size("dp_replicate") * self._size("dp_shard")
+        return self.shape.data_parallel
 
     @property
     def reports(self) -> bool:
         """Whether this rank's losses and metrics count: one rank per data-parallel share
         (tensor-parallel rank 0 of the last pipeline stage), so shares count once."""
-        last_stage = self.coordinate("pp") == self._size("pp") - 1
+        last_stage = self.coordinate("pp") == self.shape.pp - 1
         return last_stage and self.coordinate("tp") == 0
 
+    def per_node(self, workers: int) -> str:
+        """What `workers` in all means for `runtime.procs_per_node` on this job's nodes:
+        what a message that asks the user to resume on `workers` tells them to set."""
+        if self.nodes > 1 and workers % self.nodes == 0:
+            return (
+                f"runtime.procs_per_node={workers // self.nodes} on each of {self.nodes} nodes "
+                f"({workers} workers)"
+            )
+        if self.nodes > 1:
+            return f"{workers} workers in all (runtime.procs_per_node x nodes)"
+        return f"runtime.procs_per_node={workers}"
+
     @classmethod
-    def from_env(cls, backend: str = "auto") -> Topology:
+    def from_env(cls, backend: str = "auto", env: dict[str, Any] | None = None) -> Topology:
         """Read the variables torch.distributed.elastic sets for each worker."""
-        rank = int(os.environ.get("RANK", "0"))
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        env = os.environ if env is None else env
+        rank = int(env.get("RANK", "0"))
+        world_size = int(env.get("WORLD_SIZE", "1"))
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world_size))
         cuda = torch.cuda.is_available()
         if backend == "auto":
             backend = "nccl" if cuda else "gloo"
         if backend == "nccl" and not cuda:
             raise ConfigError("runtime.backend=nccl needs CUDA GPUs; use gloo or auto on CPU")
         device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-        return cls(rank, world_size, local_rank, backend, device)
+        return cls(
+            rank,
+            world_size,
+            local_rank,
+            backend,
+            device,
+            node_rank=int(env.get("GROUP_RANK", "0")),
+            nodes=int(env.get("GROUP_WORLD_SIZE", max(1, world_size // max(local_world, 1)))),
+            attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
 
 
 @contextlib.contextmanager

@@ -1,4 +1,7 @@
-"""Update rules: how data-parallel replicas combine their work (`parallel.update`).
+"""Update rules: how data-parallel replicas combine their work (`update.rule`).
+
+Every rule is an `UpdateRule` (training.engine.steps): the loop asks it to `advance`
+from one barrier to the next. The synchronous rules take every step in lockstep:
 
 - sync: every step, gradients are averaged over the replicas before the optimizer
   steps (DDP); replicas stay identical. Each step waits for the slowest rank and pays a
@@ -8,11 +11,13 @@
   replicas average their parameters: one all-reduce of the parameters per H steps, so
   1/H of sync's bytes. Optimizer states stay local.
 - diloco (Douillard et al. 2023, arXiv 2311.08105): the same local phase with the inner
-  optimizer (AdamW); every H steps the averaged change of the replicas since the last
+  optimizer (`optim.name`); every H steps the averaged change of the replicas since the last
   sync (the pseudo-gradient, anchor - mean of the replicas) is applied to the anchor by an
   outer SGD with Nesterov momentum (`outer_lr`, `outer_momentum`), and every replica
   restarts from the new anchor.
-- async: a parameter server (training.engine.async_ps), not a rule of this module.
+- async: workers push gradients to a parameter server on rank 0 and pull its
+  parameters without waiting for each other (training.engine.async_ps); `advance` runs
+  one segment of the server between barriers.
 
 Between syncs replicas differ, so their checkpoints keep every replica's model and
 optimizer (`ReplicaState`): a job resumes exactly, on the same number of replicas.
@@ -20,39 +25,47 @@ optimizer (`ReplicaState`): a job resumes exactly, on the same number of replica
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.config import UpdateConfig
+from training.engine.async_ps import AsyncUpdates
+from training.engine.steps import Segment, StepWork
+from training.engine.topology import Topology
 from training.errors import ConfigError
 
 
-class SyncEveryStep:
-    """sync: DDP averages gradients in every backward; nothing to do between steps."""
+class Rule:
+    """What a rule does unless it says otherwise: every rank takes every step together
+    (`advance` runs them through the loop's work), gradients are averaged each step,
+    nothing happens between steps, and there is no state of its own."""
 
     name = "sync"
     local = False  # whether replicas may differ between syncs
+    lockstep = True  # every rank takes every step together (so may stop at any step)
+
+    def advance(self, start: int, until: int, work: StepWork) -> Segment:
+        return Segment(until, [work.step(n) for n in range(start, until)])
 
     def syncs_gradients(self, step: int) -> bool:
-        """Whether step `step` (0-based) all-reduces its gradients."""
         return True
 
-    def after_step(self, done: int) -> float:
-        """Called after the optimizer step with `done` steps taken; returns the seconds
-        spent synchronising (waiting for other ranks included)."""
-        return 0.0
+    def after_step(self, done: int) -> None:
+        pass
 
-    def finish(self, done: int) -> float:
-        """The end of training: leave every replica equal to the job's model."""
-        return 0.0
+    def finish(self, done: int) -> None:
+        pass
 
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+class SyncEveryStep(Rule):
+    """sync: DDP averages gradients in every backward; nothing to do between steps."""
 
 
 class LocalSGD(SyncEveryStep):
@@ -69,13 +82,14 @@ class LocalSGD(SyncEveryStep):
     def _due(self, done: int) -> bool:
         return done > self.warmup and (done - self.warmup) % self.every == 0
 
-    def after_step(self, done: int) -> float:
-        return self._sync() if self._due(done) else 0.0
+    def after_step(self, done: int) -> None:
+        if self._due(done):
+            self._sync()
 
-    def finish(self, done: int) -> float:
+    def finish(self, done: int) -> None:
         # Local steps since the last sync are averaged in too: the job's model is one.
-        pending = done > self.warmup and (done - self.warmup) % self.every != 0
-        return self._sync() if pending else 0.0
+        if done > self.warmup and (done - self.warmup) % self.every != 0:
+            self._sync()
 
     def _average(self) -> torch.Tensor:
         """The mean of the replicas' parameters, flat (one all-reduce)."""
@@ -87,37 +101,34 @@ class LocalSGD(SyncEveryStep):
             torch.cuda.synchronize(flat.device)
         return flat
 
-    def _sync(self) -> float:
-        started = time.perf_counter()
+    def _sync(self) -> None:
         with torch.no_grad():
             nn.utils.vector_to_parameters(self._average(), self.params)
-        return time.perf_counter() - started
 
 
 class DiLoCo(LocalSGD):
     name = "diloco"
 
-    def __init__(self, model: nn.Module, world_size: int, every: int, warmup: int, par) -> None:
-        super().__init__(model, world_size, every, warmup)
+    def __init__(self, model: nn.Module, world_size: int, update: UpdateConfig) -> None:
+        super().__init__(model, world_size, update.sync_every, update.sync_warmup_steps)
         # The anchor: the replicas' common starting point of the current local phase.
         self.anchor = [nn.Parameter(p.detach().clone()) for p in self.params]
-        momentum = par.outer_momentum
+        momentum = update.outer_momentum
         self.outer = torch.optim.SGD(
-            self.anchor, lr=par.outer_lr, momentum=momentum, nesterov=momentum > 0
+            self.anchor, lr=update.outer_lr, momentum=momentum, nesterov=momentum > 0
         )
         self.outer_steps = 0
         self.names = [name for name, _ in model.named_parameters()]
 
-    def after_step(self, done: int) -> float:
+    def after_step(self, done: int) -> None:
         if done == self.warmup and done > 0:  # warmup over: the local phase starts here
             with torch.no_grad():
                 for a, p in zip(self.anchor, self.params, strict=True):
                     a.copy_(p)
-        return super().after_step(done)
+        super().after_step(done)
 
-    def _sync(self) -> float:
+    def _sync(self) -> None:
         """Outer step: the anchor moves by the replicas' mean change (pseudo-gradient)."""
-        started = time.perf_counter()
         with torch.no_grad():
             mean = self._average()
             flat_anchor = nn.utils.parameters_to_vector(self.anchor)
@@ -131,7 +142,6 @@ class DiLoCo(LocalSGD):
             self.outer_steps += 1
             for a, p in zip(self.anchor, self.params, strict=True):
                 p.copy_(a)
-        return time.perf_counter() - started
 
     def state_dict(self) -> dict:
         momentum = {}
@@ -151,11 +161,46 @@ class DiLoCo(LocalSGD):
                     self.outer.state[a]["momentum_buffer"] = state["outer_momentum"][name].clone()
 
 
-def make_rule(model: nn.Module, world_size: int, par) -> SyncEveryStep:
-    if par.update == "local_sgd":
-        return LocalSGD(model, world_size, par.sync_every, par.sync_warmup_steps)
-    if par.update == "diloco":
-        return DiLoCo(model, world_size, par.sync_every, par.sync_warmup_steps, par)
+class ParameterServer(Rule):
+    """async: between barriers, every rank computes gradients on its own and rank 0's
+    parameter server applies them (training.engine.async_ps). The replicas hold the
+    parameters of the same server step at every barrier; the server's model is the
+    job's model."""
+
+    name = "async"
+    local = False  # the checkpoint holds the server's model, not each replica's
+    lockstep = False  # ranks meet at barriers only
+
+    def __init__(self, server: AsyncUpdates) -> None:
+        self.server = server
+
+    def advance(self, start: int, until: int, work: StepWork) -> Segment:
+        waited, sent = self.server.wait_seconds, self.server.bytes_sent
+        segment = self.server.run_segment(until, work.gradient)
+        metrics = {
+            "async_staleness_max": float(segment.staleness_max),
+            "async_staleness_mean": segment.staleness_mean,
+            # Gradients each worker has computed in the job: a fast one computes more.
+            **{f"async_gradients/rank{w}": float(n) for w, n in enumerate(segment.next_gradient)},
+        }
+        return Segment(
+            segment.version,
+            list(segment.losses),
+            metrics,
+            sync_wait=self.server.wait_seconds - waited,
+            bytes_sent=self.server.bytes_sent - sent,
+        )
+
+    def syncs_gradients(self, step: int) -> bool:
+        return False  # workers push gradients to the server instead
+
+
+def make_rule(model: nn.Module, world_size: int, update: UpdateConfig) -> SyncEveryStep:
+    """The synchronous rule of `update` for a replica (async: see ParameterServer)."""
+    if update.rule == "local_sgd":
+        return LocalSGD(model, world_size, update.sync_every, update.sync_warmup_steps)
+    if update.rule == "diloco":
+        return DiLoCo(model, world_size, update)
     return SyncEveryStep()
 
 
@@ -199,14 +244,14 @@ def model_key(train_state: dict) -> str:
     return "replica0.model" if train_state.get("replicas_differ") else "model"
 
 
-def check_replicas(rule, written: int | None, replicas: int) -> bool:
+def check_replicas(rule, written: int | None, topo: Topology) -> bool:
     """Whether a checkpoint written by `written` data-parallel ranks carries per-rank state
-    for this job's `replicas`; raises where the rule cannot resume without it."""
-    same = written is None or written == replicas
+    for this job's replicas; raises where the rule cannot resume without it."""
+    same = written is None or written == topo.dp_size
     if not same and rule.local:
         raise ConfigError(
             f"this {rule.name} job was checkpointed with {written} data-parallel replicas, "
-            f"each with its own weights between syncs; resume it on {written} "
-            f"(runtime.world_size={written}), not {replicas}, or start a new job"
+            f"each with its own weights between syncs; resume it on {written} workers "
+            f"({topo.per_node(written)}), not {topo.dp_size}, or start a new job"
         )
     return same

@@ -13,7 +13,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,10 +21,8 @@ from torch import nn
 from training.atomic import atomic_dir
 from training.data.spec import DataSpec
 from training.errors import ProjectError
+from training.models.options import ModelConfig
 from training.models.registry import build_model
-
-if TYPE_CHECKING:
-    from training.config import ModelConfig
 
 MODEL_WEIGHTS = "model.pt"
 MODEL_SPEC = "spec.json"
@@ -45,8 +43,6 @@ class ModelSpec:
 
     @property
     def model_config(self) -> ModelConfig:
-        from training.config import ModelConfig
-
         return ModelConfig.model_validate(self.model)
 
     @property

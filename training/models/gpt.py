@@ -1,4 +1,4 @@
-"""A decoder-only transformer (GPT) and sampling from it.
+"""A decoder-only transformer (GPT).
 
 Layout, kept plain on purpose for the parallelism applied from outside (training/engine/
 parallelize.py): embeddings, then `blocks` (a ModuleDict keyed "0", "1"...: each block is
@@ -174,42 +174,3 @@ class GPT(nn.Module):
         if index < count - 1:
             self.final_norm = self.head = None
         return self
-
-
-@torch.no_grad()
-def generate(
-    model: nn.Module,
-    ids: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    context: int | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Append `max_new_tokens` sampled tokens to `ids` (B, T) and return (B, T + new).
-
-    The model sees at most its last `context` tokens (when None: the model's own `context`
-    attribute, or every token for a model without one).
-    `temperature` <= 0 picks the most likely token; `top_k` samples among the k most likely
-    (None or 0: all). A seeded `generator` makes the samples reproducible. The model runs
-    in eval mode (no dropout) and is put back in the mode it was in.
-    """
-    context = context or getattr(model, "context", None) or ids.shape[1] + max_new_tokens
-    was_training = model.training
-    model.eval()
-    try:
-        for _ in range(max_new_tokens):
-            logits = model(ids[:, -context:])[:, -1, :].float()
-            if temperature <= 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = torch.softmax(logits, dim=-1)
-                next_id = torch.multinomial(probs, 1, generator=generator)
-            ids = torch.cat([ids, next_id.to(ids.dtype)], dim=1)
-    finally:
-        model.train(was_training)
-    return ids

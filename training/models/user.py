@@ -95,7 +95,7 @@ def data_keywords(task: str, data: DataSpec, output_size: int) -> dict[str, Any]
         "data_kind": data.kind,
         "input_shape": tuple(data.feature_shape),
         "output_size": output_size,
-        "num_classes": data.num_classes if task == "classification" else None,
+        "num_classes": data.num_classes,
         "vocab_size": data.vocab_size,
     }
 

@@ -1,21 +1,24 @@
-"""The built-in models' own keys, validated with the config (no torch imported here).
+"""The `model` section of params.yaml: the built-ins' own keys (no torch imported here).
 
-Each built-in names the tasks it can learn and a pydantic schema for its keys in the
-`model:` section of params.yaml; its module builds it (training.models.registry).
+`name` picks a built-in, `target: package.module:factory` the user's own module; the
+other keys belong to that model. Each built-in declares the kinds of data it takes
+(which tasks it can learn follows from the tasks' own kinds), what it can be split by
+besides data parallelism, and a pydantic schema for its keys. Its module builds it
+(training.models.registry).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from training.data.options import DataKind
+from training.options import Section
 
-class _Options(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-
-class MLPOptions(_Options):
+class MLPOptions(Section):
     hidden: int = Field(128, ge=1, description="width of each hidden layer")
     depth: int = Field(2, ge=1, description="hidden layers")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -24,14 +27,14 @@ class MLPOptions(_Options):
     )
 
 
-class CNNOptions(_Options):
+class CNNOptions(Section):
     channels: int = Field(32, ge=1, description="channels of the first stage (doubled after)")
     blocks: int = Field(2, ge=1, description="residual blocks per stage")
     stages: int = Field(2, ge=1, description="stages; each after the first halves the size")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
 
 
-class GPTOptions(_Options):
+class GPTOptions(Section):
     layers: int = Field(4, ge=1, description="transformer blocks")
     heads: int = Field(4, ge=1, description="attention heads per block")
     width: int = Field(128, ge=8, description="embedding width (divisible by heads)")
@@ -48,14 +51,22 @@ class GPTOptions(_Options):
         return self
 
 
-BUILTINS: dict[str, tuple[type[_Options], tuple[str, ...]]] = {
-    "mlp": (MLPOptions, ("classification", "regression")),
-    "cnn": (CNNOptions, ("classification", "regression")),
-    "gpt": (GPTOptions, ("language_modeling",)),
+@dataclass(frozen=True)
+class Builtin:
+    options: type[Section]
+    kinds: tuple[DataKind, ...]  # the data it takes
+    splits: frozenset[str] = frozenset()  # mesh dimensions beyond data parallelism
+
+
+BUILTINS: dict[str, Builtin] = {
+    "mlp": Builtin(MLPOptions, ("table", "image")),
+    "cnn": Builtin(CNNOptions, ("image",)),
+    # Blocks to shard by columns and rows (tp) and to cut into pipeline stages (pp).
+    "gpt": Builtin(GPTOptions, ("tokens",), frozenset({"tp", "pp"})),
 }
 
 
-def _entry(name: str | None) -> tuple[type[_Options], tuple[str, ...]]:
+def builtin(name: str | None) -> Builtin:
     if name not in BUILTINS:
         raise ValueError(
             f"model.name {name!r} is not a built-in model; choose one of "
@@ -65,9 +76,9 @@ def _entry(name: str | None) -> tuple[type[_Options], tuple[str, ...]]:
     return BUILTINS[name]
 
 
-def parse_model_options(name: str | None, options: dict[str, Any]) -> _Options:
+def parse_model_options(name: str | None, options: dict[str, Any]) -> Section:
     """The built-in's options, validated; errors name the key and the model's keys."""
-    schema, _ = _entry(name)
+    schema = builtin(name).options
     try:
         return schema(**options)
     except ValidationError as exc:
@@ -85,30 +96,43 @@ def parse_model_options(name: str | None, options: dict[str, Any]) -> _Options:
         raise ValueError("; ".join(problems)) from None
 
 
-def check_model_options(name: str | None, options: dict[str, Any]) -> None:
-    parse_model_options(name, options)
+class ModelConfig(BaseModel):
+    """`name` picks a built-in; `target: package.module:factory` builds the user's own
+    module. The remaining keys belong to that model and are validated by it, so this
+    section alone is open."""
 
+    model_config = ConfigDict(extra="allow", frozen=True)
 
-def check_model_task(name: str | None, task: str) -> None:
-    _, tasks = _entry(name)
-    if task not in tasks:
-        fits = [n for n, (_, t) in BUILTINS.items() if task in t]
-        raise ValueError(
-            f"model {name} cannot learn task {task}; for {task} use model.name {' or '.join(fits)}"
-        )
+    name: str | None = Field("mlp", description="a built-in: mlp, cnn, gpt")
+    target: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="package.module:factory called with the remaining keys",
+    )
 
+    @property
+    def options(self) -> dict[str, Any]:
+        """The model's own keys (everything but name and target)."""
+        return dict(self.model_extra or {})
 
-# What each built-in can be split by, besides data parallelism (DDP, FSDP): gpt has
-# blocks to shard by columns and rows (tp) and to cut into pipeline stages (pp).
-LAYOUTS = {"mlp": frozenset(), "cnn": frozenset(), "gpt": frozenset({"tp", "pp"})}
+    @model_validator(mode="after")
+    def _one_way_to_build(self) -> ModelConfig:
+        if self.target and self.name not in (None, "mlp"):
+            raise ValueError(
+                "set model.name or model.target, not both (name picks a built-in, target "
+                "names your own factory as package.module:function)"
+            )
+        if not self.target:
+            parse_model_options(self.name, self.options)
+        return self
 
 
 def check_model_layout(
     name: str | None, options: dict[str, Any], mesh: dict[str, int], stages: int
 ) -> None:
-    """Raise ValueError naming the keys when the model cannot take this mesh."""
+    """Raise ValueError naming the keys when the built-in cannot take this mesh."""
     for dim in ("tp", "pp"):
-        if mesh[dim] > 1 and dim not in LAYOUTS.get(name, frozenset()):
+        if mesh[dim] > 1 and dim not in builtin(name).splits:
             raise ValueError(
                 f"model {name} supports data parallelism only (parallel.dp_replicate, "
                 f"parallel.dp_shard), not parallel.{dim}={mesh[dim]}: tensor and pipeline "

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from training import plots
+
 PLOTS = {
     "seconds": ("val_loss_vs_seconds.png", "training seconds (validation excluded)"),
     "samples": ("val_loss_vs_samples.png", "samples (steps x global batch)"),
@@ -163,7 +167,6 @@ def table_text(rows: list[dict[str, Any]], reference: str) -> str:
 def _at_steps(points: list[tuple[int, float]], steps: list[int]) -> list[float]:
     """A cumulative quantity logged at some steps, read at `steps` (linear between
     logged points, starting from 0 at step 0)."""
-    import numpy as np
 
     xs = [0] + [s for s, _ in points]
     ys = [0.0] + [v for _, v in points]
@@ -199,16 +202,11 @@ def curves(child: ChildRun) -> dict[str, tuple[list[float], list[float]]]:
 
 def write_plots(children: list[ChildRun], folder: Path, fault: str) -> list[Path]:
     """One PNG per x-axis, a line per rule."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-
     drawn = {child.rule: curves(child) for child in children}
     paths = []
     for axis, (name, label) in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(6, 4))
-        missing = []
+        fig, axes = plots.figure(6, 4)
+        ax, missing = axes[0][0], []
         for rule, lines in drawn.items():
             if axis in lines and lines[axis][0]:
                 ax.plot(*lines[axis], "o-", markersize=3, label=rule)
@@ -228,8 +226,6 @@ def write_plots(children: list[ChildRun], folder: Path, fault: str) -> list[Path
         if len(missing) < len(drawn):
             ax.legend()
         path = folder / name
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        plots.save(fig, path)
         paths.append(path)
     return paths

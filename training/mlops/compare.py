@@ -1,9 +1,10 @@
 """`gradline compare-updates`: one configuration trained once per update rule, side by side.
 
-Each rule (`parallel.update`: sync, local_sgd, diloco, async) is its own job: the same
-config with that one key changed, trained by the train stage's own launcher and worker
-code into its own MLflow run, created before its workers start. Those runs are children
-(`mlflow.parentRunId`) of one parent run, created first, which receives what the
+Each rule (`update.rule`: sync, local_sgd, diloco, async) is its own job: the same
+config with that one key changed, trained through the train stage's own lifecycle
+(training.mlops.jobs.run_job) into its own MLflow run, created before its workers
+start. Those runs are children (`mlflow.parentRunId`) of one parent run, created
+first, which receives what the
 comparison is for: a table (per rule: samples/s and its ratio to the reference rule,
 final validation loss and its difference, bytes each rank sends per step and their
 ratio, training and wall-clock seconds) and three plots of validation loss against
@@ -16,25 +17,29 @@ checkpoints, consolidated model and result under `checkpoints/compare/<parent ru
 resumed: running it again starts a new parent run.
 
 This module plans and runs the comparison on shards that are already up to date; the
-CLI brings them up to date through DVC first (tasks/compare.py).
+CLI brings them up to date through DVC first (tasks.dvc_stages.reproduce_shards).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
-import yaml
-
 from training.atomic import write_json
-from training.compare_report import (
+from training.config import Config, UpdateConfig, jobspec, load_config, parse_override
+from training.data.manifest import read_manifest
+from training.data.spec import DataSpec
+from training.engine.faults import ENV as FAULT_ENV
+from training.engine.faults import parse as parse_faults
+from training.engine.launch import Preempted
+from training.errors import ConfigError
+from training.mlops.compare_report import (
     COLUMNS,
     HISTORY_KEYS,
     PLOTS,
@@ -45,14 +50,15 @@ from training.compare_report import (
     table_text,
     write_plots,
 )
-from training.config import Config, ParallelConfig, is_tracked, load_config, parse_override
-from training.engine.faults import ENV as FAULT_ENV
-from training.engine.faults import parse as parse_faults
-from training.errors import ConfigError
+from training.mlops.jobs import JobRequest, run_job
+from training.mlops.lineage import run_url, ui_base
+from training.mlops.runs import log_params, new_run, set_status
+from training.mlops.tracking import client, metric_history
+from training.models.registry import check_buildable
 from training.project import Project
 
-RULES: tuple[str, ...] = get_args(ParallelConfig.model_fields["update"].annotation)
-UPDATE_KEY = "parallel.update"
+RULES: tuple[str, ...] = get_args(UpdateConfig.model_fields["rule"].annotation)
+UPDATE_KEY = "update.rule"
 TAG_PARENT = "mlflow.parentRunId"
 TAG_RUN_NAME = "mlflow.runName"
 TAG_RULE = "gradline.compare.rule"
@@ -69,7 +75,7 @@ TABLE_CSV, TABLE_MD = "updates.csv", "updates.md"
 class ComparePlan:
     root: Path
     base: Config  # params.yaml + overrides, the update rule as the user left it
-    children: dict[str, Config]  # rule -> the same config with parallel.update=rule
+    children: dict[str, Config]  # rule -> the same config with update.rule=rule
     fault: str  # GRADLINE_FAULT for the children ("" for none)
     slow_rank: int | None
     slow_factor: float | None
@@ -107,7 +113,7 @@ def slow_rank_fault(slow_rank: int | None, slow_factor: float | None, world_size
     if not 0 <= slow_rank < world_size:
         raise ConfigError(
             f"--slow-rank {slow_rank}: ranks are 0..{world_size - 1} "
-            f"(runtime.world_size={world_size})"
+            f"(runtime.procs_per_node={world_size} on this node)"
         )
     factor = 2.0 if slow_factor is None else slow_factor
     if not factor > 1:  # also refuses NaN
@@ -118,19 +124,7 @@ def slow_rank_fault(slow_rank: int | None, slow_factor: float | None, world_size
     return f"slow:rank={slow_rank}:step=0:factor={factor:g}"
 
 
-def _data_params(dvc_yaml: Path) -> set[str]:
-    """The params the ingest and shard stages depend on, as dvc.yaml names them."""
-    stages = (yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages", {})
-    return {
-        name
-        for stage in ("ingest", "shard")
-        for name in stages.get(stage, {}).get("params", [])
-        if isinstance(name, str)
-    }
-
-
-def _check_overrides(project: Project, overrides: list[str]) -> None:
-    data_params = _data_params(project.dvc_yaml)
+def _check_overrides(overrides: list[str]) -> None:
     for text in overrides:
         section, key, _ = parse_override(text)
         name = f"{section}.{key}"
@@ -139,7 +133,7 @@ def _check_overrides(project: Project, overrides: list[str]) -> None:
                 f"--set {text}: each child sets {UPDATE_KEY} itself; name the rules with "
                 f"--rules (e.g. --rules sync,local_sgd)"
             )
-        if name in data_params or section in data_params:
+        if jobspec.use(name).decides_data:
             raise ConfigError(
                 f"--set {text}: {name} decides the data (dvc.yaml's ingest/shard stages), "
                 "and compare-updates trains on the data as params.yaml makes it. Set it "
@@ -157,7 +151,7 @@ def plan_comparison(
     """Validate the whole comparison: every child's config (a rule may not combine with
     the rest of the config: the error names the keys), the fault, the models."""
     project = Project(root)
-    _check_overrides(project, overrides)
+    _check_overrides(overrides)
     base = load_config(project.params, overrides)
     children = {}
     for rule in rules:
@@ -170,7 +164,7 @@ def plan_comparison(
             None,
             [
                 os.environ.get(FAULT_ENV, "").strip(),
-                slow_rank_fault(slow_rank, slow_factor, base.runtime.world_size),
+                slow_rank_fault(slow_rank, slow_factor, base.runtime.procs_per_node),
             ],
         )
     )
@@ -184,67 +178,34 @@ def plan_comparison(
 # --- running the children ------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _fault_env(spec: str) -> Iterator[None]:
-    """GRADLINE_FAULT as the children's workers must see it (they inherit it at spawn)."""
-    previous = os.environ.get(FAULT_ENV)
-    if spec:
-        os.environ[FAULT_ENV] = spec
-    else:
-        os.environ.pop(FAULT_ENV, None)
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(FAULT_ENV, None)
-        else:
-            os.environ[FAULT_ENV] = previous
-
-
 def _train_child(
     plan: ComparePlan, rule: str, parent_id: str, folder: Path, data_version: str
 ) -> ChildRun:
-    """One real training job, as the train stage runs it, into a child run."""
-    from training.engine.launch import Preempted, launch_workers
-    from training.engine.loop import TrainJob
-    from training.runs import mark_complete, open_job_run, set_status
-    from training.tracking import client
-
+    """One real training job, through the train stage's lifecycle, into a child run."""
     project, cfg = Project(plan.root), plan.children[rule]
-    uri = project.tracking_uri
     tags = {TAG_PARENT: parent_id, TAG_RUN_NAME: f"compare-{rule}", TAG_RULE: rule}
     if plan.fault:
         tags[TAG_FAULT] = plan.fault
     work = folder / rule
-    job = open_job_run(plan.root, cfg, uri, data_version, work, tags=tags)
-    train_job = TrainJob(
-        config=cfg.model_dump(),
-        shard_dir=str(project.shards),
-        job_dir=str(job.job_dir.path),
-        model_dir=str(work / "model"),
-        tracking_uri=uri,
-        run_id=job.run_id,
+    request = JobRequest(
+        cfg,
+        project.shards,
+        work,
+        work / "model",
+        root=plan.root,
+        tracking_uri=project.tracking_uri,
+        tags=tags,
+        faults=plan.fault,
+        log_model=False,  # a comparison's children are measured, not registered
     )
-    started = time.perf_counter()
-    with _fault_env(plan.fault):
-        try:
-            result = launch_workers(train_job, cfg.runtime.world_size, cfg.runtime.max_restarts)
-        except Preempted:
-            set_status(uri, job.run_id, "KILLED")
-            raise
-        except BaseException:
-            set_status(uri, job.run_id, "FAILED")
-            raise
-    wall = time.perf_counter() - started
-    set_status(uri, job.run_id, "FINISHED")
-    mark_complete(job)
-    write_json(work / "result.json", {"run_id": job.run_id, "rule": rule, "final": result})
-    mlflow_client = client(uri)
-    history = {
-        key: sorted((m.step, m.value) for m in mlflow_client.get_metric_history(job.run_id, key))
-        for key in HISTORY_KEYS
-    }
-    return ChildRun(rule, job.run_id, cfg.train.batch_size, result, wall, history)
+    outcome = run_job(request)
+    write_json(
+        work / "result.json", {"run_id": outcome.run_id, "rule": rule, "final": outcome.final}
+    )
+    history = metric_history(project.tracking_uri, outcome.run_id, HISTORY_KEYS)
+    return ChildRun(
+        rule, outcome.run_id, cfg.train.batch_size, outcome.final, outcome.wall_seconds, history
+    )
 
 
 # --- the whole comparison -------------------------------------------------------------
@@ -280,52 +241,27 @@ class CompareReport:
 
 
 def _open_parent(plan: ComparePlan, data_version: str) -> str:
-    from mlflow.entities import Param
-
-    from training.runs import log_dataset, log_runtime
-    from training.tracking import (
-        TAG_DATA_VERSION,
-        TAG_GIT_COMMIT,
-        TAG_GIT_DIRTY,
-        client,
-        default_artifact_location,
-        ensure_experiment,
-        git_commit,
-    )
-
     project, cfg = Project(plan.root), plan.base
     uri = project.tracking_uri
-    experiment = ensure_experiment(
-        uri, cfg.registry.experiment, default_artifact_location(plan.root, uri)
-    )
-    tags = {TAG_RUN_NAME: "compare-updates", TAG_DATA_VERSION: data_version}
-    if commit := git_commit(plan.root):
-        tags[TAG_GIT_COMMIT], tags[TAG_GIT_DIRTY] = commit[0], str(commit[1]).lower()
-    mlflow_client = client(uri)
-    parent_id = mlflow_client.create_run(experiment, tags=tags).info.run_id
-    # What the children share (every job key but the rule), and what the comparison adds.
-    params = {k: v for k, v in cfg.flat().items() if is_tracked(k) and k != UPDATE_KEY}
+    parent_id = new_run(plan.root, cfg, uri, data_version, {TAG_RUN_NAME: "compare-updates"})
+    # What the children share (every key of the job but the rule), and what the
+    # comparison adds.
+    params = {k: v for k, v in jobspec.mlflow_params(cfg).items() if k != UPDATE_KEY}
     params |= {
         "compare.rules": ",".join(plan.rules),
         "compare.reference": plan.reference,
         f"compare.{FAULT_ENV}": plan.fault or "none",
-        "compare.slow_rank": "none" if plan.slow_rank is None else plan.slow_rank,
+        "compare.slow_rank": "none" if plan.slow_rank is None else str(plan.slow_rank),
         "compare.slow_factor": (
-            "none" if plan.slow_rank is None else (plan.slow_factor or 2.0)  # the default
+            "none" if plan.slow_rank is None else str(plan.slow_factor or 2.0)  # the default
         ),
     }
-    items = [Param(k, str(v)) for k, v in params.items()]
-    for start in range(0, len(items), 100):  # MLflow's batch limit
-        mlflow_client.log_batch(parent_id, params=items[start : start + 100])
-    log_runtime(mlflow_client, parent_id, cfg)
-    log_dataset(mlflow_client, parent_id, cfg, plan.root, data_version)
+    log_params(client(uri), parent_id, params)
     return parent_id
 
 
 def _log_results(uri: str, parent_id: str, rows: list[dict], files: list[Path]) -> None:
-    from mlflow.entities import Metric
-
-    from training.tracking import client
+    from mlflow.entities import Metric  # deferred: mlflow is optional on a training machine
 
     mlflow_client = client(uri)
     stamp = int(time.time() * 1000)
@@ -344,14 +280,6 @@ def run_comparison(
     plan: ComparePlan, say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
 ) -> CompareReport:
     """Train every rule on the project's current shards, under one parent run."""
-    from training.data.shards import read_manifest
-    from training.data.spec import DataSpec
-    from training.engine.launch import Preempted
-    from training.lineage import run_url, ui_base
-    from training.models import check_buildable
-    from training.runs import set_status
-    from training.tracking import client
-
     project = Project(plan.root)
     manifest = read_manifest(project.shards)
     data = DataSpec.from_manifest(manifest)
@@ -369,8 +297,8 @@ def run_comparison(
         rows = table_rows(children, plan.reference)
         (folder / TABLE_CSV).write_text(table_csv(rows))
         (folder / TABLE_MD).write_text(table_markdown(rows, plan.reference))
-        plots = write_plots(children, folder, plan.fault)
-        _log_results(uri, parent_id, rows, [folder / TABLE_CSV, folder / TABLE_MD, *plots])
+        figures = write_plots(children, folder, plan.fault)
+        _log_results(uri, parent_id, rows, [folder / TABLE_CSV, folder / TABLE_MD, *figures])
     except Preempted:
         set_status(uri, parent_id, "KILLED")
         raise

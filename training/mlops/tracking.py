@@ -1,17 +1,24 @@
-"""Experiment tracking. One MLflow run per job; rank 0 writes to it through a Tracker.
+"""Experiment tracking: one MLflow run per job, and rank 0's tracker that journals to it.
 
-mlflow is imported inside functions only, so the engine runs where mlflow is absent
-(tracking off). Non-zero ranks get a NullTracker, so the loop never asks "am I rank 0?".
+The engine records through its `Tracker` seam (training.engine.tracker); `MlflowSink` is
+the factory a job hands its workers so that rank 0's tracker journals to the job's run.
+mlflow is imported inside functions: an optional dependency, so the engine runs where
+mlflow is absent (tracking off) and importing this module costs nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import logging
+import multiprocessing
 import os
 import shutil
 import subprocess
+import time
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 
 from training.errors import TrackingError
@@ -25,14 +32,6 @@ TAG_TEST_DIGEST = "gradline.test_digest"
 TAG_GIT_COMMIT = "mlflow.source.git.commit"
 TAG_GIT_DIRTY = "gradline.git_dirty"
 FLOW_RUN_ENV = "GRADLINE_PREFECT_FLOW_RUN_ID"
-
-
-def default_tracking_uri(root: Path) -> str:
-    """MLFLOW_TRACKING_URI if set, else the project's SQLite store (always absolute)."""
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return env
-    return f"sqlite:///{(root / 'mlflow' / 'mlflow.db').resolve()}"
 
 
 def redact_uri(uri: str) -> str:
@@ -95,34 +94,23 @@ def client(tracking_uri: str):
     return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
 
+def metric_history(
+    tracking_uri: str, run_id: str, keys: tuple[str, ...]
+) -> dict[str, list[tuple[int, float]]]:
+    """Each metric's (step, value) pairs in step order, as the run holds them."""
+    mlflow_client = client(tracking_uri)
+    return {
+        key: sorted((m.step, m.value) for m in mlflow_client.get_metric_history(run_id, key))
+        for key in keys
+    }
+
+
 def ensure_experiment(tracking_uri: str, name: str, artifact_location: str | None) -> str:
     mlflow_client = client(tracking_uri)
     experiment = mlflow_client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
     return mlflow_client.create_experiment(name, artifact_location=artifact_location)
-
-
-class NullTracker:
-    """What every rank but 0 gets (and rank 0 with tracking off): records nothing."""
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        pass
-
-    def log_series(self, key: str, first_step: int, values: list[float]) -> None:
-        pass
-
-    def log_checkpoint(self, path: Path, step: int, metrics: dict[str, float]) -> None:
-        pass
-
-    def set_tag(self, key: str, value: str) -> None:
-        pass
-
-    def log_text(self, text: str, artifact_file: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class MlflowTracker:
@@ -140,8 +128,6 @@ class MlflowTracker:
     """
 
     def __init__(self, tracking_uri: str, run_id: str, journal: Path) -> None:
-        import multiprocessing
-
         journal.parent.mkdir(parents=True, exist_ok=True)
         self._journal = journal.open("a", encoding="utf-8")
         # A clean interpreter: nothing of the rank's CUDA or communication state.
@@ -156,8 +142,6 @@ class MlflowTracker:
         _deprioritize(self._process.pid)
 
     def _append(self, record: dict) -> None:
-        import json
-
         self._journal.write(json.dumps(record) + "\n")
         self._journal.flush()  # in the OS's hands now: survives this process being killed
 
@@ -196,8 +180,6 @@ class MlflowTracker:
 
     def close(self, timeout_s: float = 600.0) -> None:
         """Wait until everything journaled is in the tracking store."""
-        from training.errors import TrackingError
-
         self._append({"kind": "end", "writer": os.getpid()})
         self._journal.close()
         self._process.join(timeout_s)
@@ -270,10 +252,6 @@ def _ship(mlflow_client, run_id: str, records: list[dict], logged_until: dict[st
 
 def _tracking_process(tracking_uri: str, run_id: str, journal: str, writer_pid: int) -> None:
     """Ship the journal to MLflow until its writer says `end` or dies."""
-    import fcntl
-    import json
-    import time
-
     with open(journal + ".lock", "w") as lock:
         # One shipper per job: a helper left over from a killed attempt finishes first.
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -307,38 +285,16 @@ def _alive(pid: int) -> bool:
 
 
 def _now_ms() -> int:
-    import time
-
     return int(time.time() * 1000)
 
 
-def make_tracker(is_main: bool, tracking_uri: str | None, run_id: str | None, journal: Path):
-    if is_main and tracking_uri and run_id:
-        return MlflowTracker(tracking_uri, run_id, journal)
-    return NullTracker()
+@dataclass(frozen=True)
+class MlflowSink:
+    """The job's run, as its workers' tracker factory (training.engine.tracker): rank 0
+    journals to `run_id` in the store at `tracking_uri`."""
 
+    tracking_uri: str
+    run_id: str
 
-SYSTEM_METRICS = (
-    "system_cpu_percent",
-    "system_memory_percent",
-    "process_rss_gb",
-    "gpu_memory_allocated_gb",
-    "gpu_max_memory_allocated_gb",
-)
-
-
-def system_metrics() -> dict[str, float]:
-    """CPU and memory of this machine and process; GPU memory when CUDA is in use."""
-    import psutil
-    import torch
-
-    process = psutil.Process()
-    metrics = {
-        "system_cpu_percent": psutil.cpu_percent(interval=None),
-        "system_memory_percent": psutil.virtual_memory().percent,
-        "process_rss_gb": process.memory_info().rss / 2**30,
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        metrics["gpu_memory_allocated_gb"] = torch.cuda.memory_allocated() / 2**30
-        metrics["gpu_max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return metrics
+    def open(self, journal: Path) -> MlflowTracker:
+        return MlflowTracker(self.tracking_uri, self.run_id, journal)

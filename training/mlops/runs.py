@@ -1,35 +1,37 @@
 """The MLflow run of a training job: created (or resumed) before workers start.
 
-A job is identified by its key: a hash of what computes the model (Config.identity: the
-shard, task, model, optim and train sections) and the data version; how it runs (the
-runtime section) is not part of it. A job that stopped before finishing (worker failure
-past the restart budget, preemption, a retried task) has a job folder holding its run
-id; running it again, on any world size, continues the same run from the latest
-checkpoint instead of starting a second one.
+A job is identified by its key (training.config.jobspec): a hash of what computes the
+model and the data version; how it runs (runtime, parallel) is not part of it. A job
+that stopped before finishing (worker failure past the restart budget, preemption, a
+retried task) has a job folder holding its run id; running it again, on any world
+size, continues the same run from the latest checkpoint instead of starting a second
+one.
 """
 
 from __future__ import annotations
 
 import getpass
-import hashlib
 import json
 import os
 import re
 import shutil
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from training.atomic import write_json
-from training.config import UPDATE_KEYS, Config
+from training.config import Config, jobspec
+from training.engine.jobdir import JobDir
 from training.errors import ConfigError, GradlineError
-from training.project import JobDir
-from training.tracking import (
+from training.mlops.tracking import (
     FLOW_RUN_ENV,
     TAG_DATA_VERSION,
     TAG_FLOW_RUN,
     TAG_GIT_COMMIT,
     TAG_GIT_DIRTY,
     TAG_JOB_KEY,
+    TAG_TEST_DIGEST,
     client,
     default_artifact_location,
     ensure_experiment,
@@ -37,14 +39,9 @@ from training.tracking import (
 )
 
 
-def job_key(cfg: Config, data_version: str) -> str:
-    identity = {**cfg.identity(), "data_version": data_version}
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
-
-
 @dataclass(frozen=True)
 class JobRun:
-    run_id: str
+    run_id: str | None  # None: a job without tracking
     job_dir: JobDir
     resumed: bool
 
@@ -59,7 +56,7 @@ def open_job_run(
 ) -> JobRun:
     """Resume the unfinished run of this job, or start a fresh one; `tags` go on a fresh
     run beside gradline's own (e.g. `mlflow.parentRunId` for a comparison's child)."""
-    key = job_key(cfg, data_version)
+    key = jobspec.job_key(cfg, data_version)
     job_dir = JobDir(checkpoints / key)
     mlflow_client = client(tracking_uri)
     if job_dir.run_file.is_file() and not job_dir.complete_marker.exists():
@@ -67,16 +64,24 @@ def open_job_run(
         mlflow_client.update_run(run_id, status="RUNNING")
         log_runtime(mlflow_client, run_id, cfg)
         return JobRun(run_id, job_dir, resumed=True)
-    if job_dir.path.exists():  # a finished job asked to run again starts from scratch
-        shutil.rmtree(job_dir.path)
-    job_dir.path.mkdir(parents=True)
+    _start_afresh(job_dir)
+    tags = {**(tags or {}), TAG_JOB_KEY: key}
+    run_id = new_run(root, cfg, tracking_uri, data_version, tags)
+    log_params(mlflow_client, run_id, jobspec.mlflow_params(cfg))
+    write_json(job_dir.run_file, {"run_id": run_id})
+    return JobRun(run_id, job_dir, resumed=False)
 
+
+def new_run(
+    root: Path, cfg: Config, tracking_uri: str, data_version: str, tags: dict[str, str]
+) -> str:
+    """A new run in the config's experiment with gradline's lineage tags (data version,
+    git commit, flow run, user) beside `tags`, what describes the run, and the training
+    data as its dataset input. Params are the caller's."""
     experiment_id = ensure_experiment(
-        tracking_uri,
-        cfg.registry.experiment,
-        default_artifact_location(root, tracking_uri),
+        tracking_uri, cfg.registry.experiment, default_artifact_location(root, tracking_uri)
     )
-    tags = {**(tags or {}), TAG_DATA_VERSION: data_version, TAG_JOB_KEY: key}
+    tags = {**tags, TAG_DATA_VERSION: data_version}
     if commit := git_commit(root):
         tags[TAG_GIT_COMMIT] = commit[0]
         tags[TAG_GIT_DIRTY] = str(commit[1]).lower()
@@ -84,42 +89,51 @@ def open_job_run(
         tags[TAG_FLOW_RUN] = flow_run
     # Who started it (the MLflow UI's "User"): the tracking server's user, else the login.
     tags["mlflow.user"] = os.environ.get("MLFLOW_TRACKING_USERNAME") or getpass.getuser()
-    run = mlflow_client.create_run(experiment_id, tags=tags)
-    run_id = run.info.run_id
-    from mlflow.entities import Param
-
-    # Params are what defines the run; how it ran (runtime, parallel layout) may change
-    # between attempts of the same job, so it goes into tags, set again on every attempt.
-    params = [Param(k, str(v)) for k, v in cfg.flat().items() if not _is_how(k)]
-    mlflow_client.log_batch(run_id, params=params)
+    mlflow_client = client(tracking_uri)
+    run_id = mlflow_client.create_run(experiment_id, tags=tags).info.run_id
     log_runtime(mlflow_client, run_id, cfg)
     log_dataset(mlflow_client, run_id, cfg, root, data_version)
-    write_json(job_dir.run_file, {"run_id": run_id})
-    return JobRun(run_id, job_dir, resumed=False)
+    return run_id
 
 
-HOW_PREFIXES = ("runtime.", "parallel.")  # how a job runs: tags, not params...
+def open_untracked_job(cfg: Config, data_version: str, checkpoints: Path) -> JobRun:
+    """The job's folder without an MLflow run (benchmarks, a machine without mlflow):
+    an unfinished job resumes from its checkpoints, a finished one starts again."""
+    job_dir = JobDir(checkpoints / jobspec.job_key(cfg, data_version))
+    if job_dir.path.is_dir() and not job_dir.complete_marker.exists():
+        return JobRun(None, job_dir, resumed=True)
+    _start_afresh(job_dir)
+    return JobRun(None, job_dir, resumed=False)
 
 
-def _is_how(key: str) -> bool:
-    """...except the update rule's keys, which change the model (config.UPDATE_KEYS)."""
-    return key.startswith(HOW_PREFIXES) and key not in UPDATE_KEYS
+def _start_afresh(job_dir: JobDir) -> None:
+    if job_dir.path.exists():  # a finished job asked to run again starts from scratch
+        shutil.rmtree(job_dir.path)
+    job_dir.path.mkdir(parents=True)
 
 
-def log_runtime(mlflow_client, run_id: str, cfg: Config) -> None:
-    """How this attempt runs, as `gradline.runtime.<key>` and `gradline.parallel.<key>`
-    tags (the latest attempt's)."""
+def log_params(mlflow_client, run_id: str, params: dict[str, str]) -> None:
+    """The params that define the run (MLflow takes at most 100 a call)."""
+    from mlflow.entities import Param
+
+    items = [Param(k, v) for k, v in params.items()]
+    for start in range(0, len(items), 100):
+        mlflow_client.log_batch(run_id, params=items[start : start + 100])
+
+
+def log_runtime(mlflow_client, run_id: str, cfg: Config, stage: str | None = None) -> None:
+    """What describes this attempt (how it runs, where it records, how it is evaluated)
+    as `gradline.<key>` tags: they may change between attempts of one job, so each
+    attempt (or, with `stage`, each evaluation) sets them again (training.config.jobspec)."""
     from mlflow.entities import RunTag
 
-    tags = [RunTag(f"gradline.{k}", str(v)) for k, v in cfg.flat().items() if _is_how(k)]
+    tags = [RunTag(k, v) for k, v in jobspec.run_tags(cfg, stage).items()]
     mlflow_client.log_batch(run_id, tags=tags)
 
 
 def log_dataset(mlflow_client, run_id: str, cfg: Config, root: Path, data_version: str) -> None:
     """Record the training data as a dataset input: the UI shows which data trained the
     model, with the DVC md5 as its digest (`dvc checkout` of that version restores it)."""
-    import warnings
-
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
@@ -136,6 +150,32 @@ def log_dataset(mlflow_client, run_id: str, cfg: Config, root: Path, data_versio
             )
         ],
     )
+
+
+def record_evaluation(
+    tracking_uri: str,
+    run_id: str,
+    cfg: Config,
+    step: int,
+    metrics: dict[str, float],
+    figures: list[Path],
+    test_digest: str,
+) -> None:
+    """The evaluate stage's results on the job's run: the test metrics at the final step,
+    the test split's digest (the gate compares on equal digests), the evaluation's own
+    settings as tags, and what the task drew under `evaluation/`."""
+    from mlflow.entities import Metric, RunTag
+
+    mlflow_client = client(tracking_uri)
+    stamp = int(time.time() * 1000)
+    mlflow_client.log_batch(
+        run_id,
+        metrics=[Metric(k, v, stamp, step) for k, v in metrics.items()],
+        tags=[RunTag(TAG_TEST_DIGEST, test_digest)],
+    )
+    log_runtime(mlflow_client, run_id, cfg, stage="evaluate")
+    for figure in figures:
+        mlflow_client.log_artifact(run_id, str(figure), "evaluation")
 
 
 class CheckpointsNotShared(GradlineError):

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from training.errors import TrackingError
-from training.tracking import (
+from training.mlops.tracking import (
     TAG_DATA_VERSION,
     TAG_FLOW_RUN,
     TAG_GIT_COMMIT,

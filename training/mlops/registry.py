@@ -16,15 +16,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from training.tracking import TAG_TEST_DIGEST, client
+from training.config import Config
+from training.mlops.tracking import TAG_TEST_DIGEST, client
+
+
+class Incompatible(Exception):
+    """A model cannot score the current data (its task or its input changed); the
+    message says why."""
+
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 GATE_TAG = "gradline.gate"  # the alias the gate gave this version; set last
-
-
-class ChampionIncompatible(Exception):
-    """The champion cannot score the current data; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,13 @@ class Registration:
 NO_CHAMPION_CODES = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "PERMISSION_DENIED")
 
 
+def gate_score(cfg: Config, metrics: dict[str, float]) -> Score:
+    """The gate's view of metrics.json: the task's metric, its direction, its baseline."""
+    card = cfg.task.card
+    metric = card.gate_metric
+    return Score(metric, card.higher_is_better, metrics[metric], metrics[f"baseline_{metric}"])
+
+
 def _champion_score(
     mlflow_client, model_name: str, metric: str, test_digest: str, rescore
 ) -> tuple[str | None, float | None, str | None]:
@@ -72,7 +82,7 @@ def _champion_score(
         return champion.version, run.data.metrics[metric], None
     try:
         return champion.version, rescore(f"models:/{model_name}/{champion.version}"), None
-    except ChampionIncompatible as exc:
+    except Incompatible as exc:
         return champion.version, None, str(exc)
 
 
@@ -120,7 +130,7 @@ def register_and_gate(
     tags: dict[str, str] | None = None,
 ) -> Registration:
     """Register the run's model (once) and give it its alias. `rescore(model_uri)` scores
-    a champion on the current test split, or raises ChampionIncompatible."""
+    a champion on the current test split, or raises Incompatible."""
     import mlflow
 
     # Set first: `rescore` loads the champion through these URIs.

@@ -1,0 +1,280 @@
+"""The sections of params.yaml that say how the model is trained, how a job runs, and
+where its results go. The data, task and model sections belong to the packages that
+read them (training.data.options, training.objectives, training.models.options).
+
+Which of these keys define the job and which only describe a run is decided in one
+place: training.config.jobspec.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from training.options import Section
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd"] = Field(
+        "adamw", description="adamw, or sgd (with optim.momentum, Nesterov when above 0)"
+    )
+    lr: float = Field(0.005, gt=0.0)
+    weight_decay: float = Field(
+        0.0001, ge=0.0, description="adamw: decoupled decay; sgd: L2 added to the gradient"
+    )
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="sgd: momentum (0: plain SGD)")
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    warmup_steps: int = Field(20, ge=0, description="linear warmup before the schedule")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine floor, times lr")
+    grad_clip: float = Field(1.0, ge=0.0, description="max gradient norm; 0 disables")
+
+
+class TrainConfig(Section):
+    epochs: int = Field(30, ge=1)
+    max_steps: int | None = Field(
+        None, ge=1, description="stop after this many optimizer steps (null: all epochs)"
+    )
+    batch_size: int = Field(64, ge=1, description="global batch per optimizer step")
+    grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    seed: int = Field(0, ge=0)
+    deterministic: bool = Field(True, description="deterministic kernels: bitwise resume")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU"
+    )
+    compile: bool = Field(False, description="torch.compile the model")
+
+
+UpdateRule = Literal["sync", "local_sgd", "diloco", "async"]
+
+
+class UpdateConfig(Section):
+    """How the data-parallel replicas combine their work (training.engine.updates).
+    Unlike the layout (parallel), the rule changes what is computed: it is part of the
+    job."""
+
+    rule: UpdateRule = Field(
+        "sync", description="sync | local_sgd | diloco | async (parameter server)"
+    )
+    sync_every: int = Field(8, ge=1, description="local_sgd/diloco: local steps per sync (H)")
+    sync_warmup_steps: int = Field(
+        0, ge=0, description="local_sgd/diloco: steps of every-step sync first (post-local SGD)"
+    )
+    outer_lr: float = Field(0.7, gt=0, description="diloco: outer SGD learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: outer Nesterov momentum")
+    max_staleness: int = Field(
+        2, ge=0, description="async: server steps a gradient may lag (0 is synchronous)"
+    )
+    grad_compression: Literal["none", "fp16", "powersgd"] = Field(
+        "none", description="how data-parallel gradients travel: none | fp16 | powersgd"
+    )
+    powersgd_rank: int = Field(4, ge=1, description="powersgd: rank of the low-rank factors")
+
+
+class RuntimeConfig(Section):
+    """How a job runs (training.config.jobspec): changing a key here never retrains and
+    never starts a new MLflow run (a stopped job resumes)."""
+
+    procs_per_node: int = Field(
+        2, ge=1, description="worker processes on each node (torchrun's nproc_per_node)"
+    )
+    nnodes: str = Field("1", description="nodes: N, or MIN:MAX to go on when nodes are lost")
+    rdzv_endpoint: str = Field(
+        "", description="HOST:PORT of the rendezvous on the first node (empty: this machine)"
+    )
+    rdzv_id: str = Field("", description="the job's id, the same on every node")
+    rdzv_last_call_s: float = Field(
+        30.0, ge=0.0, description="after MIN nodes joined, how long to wait for more"
+    )
+    rdzv_join_timeout_s: float = Field(
+        600.0, gt=0.0, description="how long a node waits for the others to join"
+    )
+    local_addr: str = Field(
+        "", description="this node's address as the other nodes reach it (empty: hostname)"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per rank")
+    loader_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
+    log_every_steps: int = Field(50, ge=1, description="metrics and time breakdown interval")
+    eval_every_steps: int | None = Field(
+        None, ge=1, description="validation interval in steps (null: at each epoch's end)"
+    )
+    control_every_steps: int = Field(10, ge=1, description="steps between preemption checks")
+    checkpoint_every_steps: int = Field(100, ge=1)
+    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk")
+    async_checkpoint: bool = Field(True, description="write checkpoints off the hot loop")
+    straggler_factor: float = Field(1.5, gt=1.0, description="busy time over the median rank")
+    collective_timeout_s: float = Field(300.0, gt=0.0, description="a stalled rank fails then")
+    max_restarts: int = Field(3, ge=0, description="elastic restarts after a worker failure")
+
+    @field_validator("nnodes", mode="before")
+    @classmethod
+    def _count_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) else value
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """(MIN, MAX) nodes from `nnodes` ("2" or "1:2")."""
+        low, _, high = self.nnodes.partition(":")
+        return int(low), int(high or low)
+
+    @property
+    def max_world_size(self) -> int:
+        """Workers of the whole job when every node it may have has joined."""
+        return self.procs_per_node * self.node_range[1]
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> RuntimeConfig:
+        try:
+            low, high = self.node_range
+        except ValueError:
+            low = high = 0
+        if not 1 <= low <= high:
+            raise ValueError(
+                f"runtime.nnodes={self.nnodes!r}: give a node count (2) or MIN:MAX (1:2) "
+                "with 1 <= MIN <= MAX"
+            )
+        if high > 1 and not (self.rdzv_endpoint and self.rdzv_id):
+            raise ValueError(
+                f"runtime.nnodes={self.nnodes} needs runtime.rdzv_endpoint (HOST:PORT on the "
+                "first node, the same on every node) and runtime.rdzv_id (the same job id on "
+                "every node): pass --rdzv-endpoint and --rdzv-id to `gradline stage train`"
+            )
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        if self.rdzv_endpoint and not (host and port.isdigit()):
+            raise ValueError(
+                f"runtime.rdzv_endpoint={self.rdzv_endpoint!r}: give HOST:PORT, e.g. node1:29500"
+            )
+        return self
+
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first, as ranks are laid out
+
+
+class ParallelConfig(Section):
+    """How the model is laid out over the ranks: a device mesh of pipeline stages (pp),
+    full replicas (dp_replicate), sharded replicas (dp_shard, FSDP2) and tensor-parallel
+    groups (tp). Their product is the job's world size (runtime.procs_per_node on each
+    node); one may be -1 to take the rest. Like runtime, how a job runs: a job saved
+    under one layout resumes under another."""
+
+    dp_replicate: int = Field(
+        -1, ge=-1, description="replicas holding all parameters (DDP, or HSDP's outer dim)"
+    )
+    dp_shard: int = Field(1, ge=-1, description="ranks sharing one replica's state (FSDP2)")
+    tp: int = Field(1, ge=-1, description="tensor-parallel ranks per layer")
+    pp: int = Field(1, ge=-1, description="pipeline stages")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_microbatches: int = Field(4, ge=1, description="micro-batches per pipeline step")
+    pp_stages_per_rank: int = Field(
+        2, ge=2, description="interleaved_1f1b: model chunks (virtual stages) per rank"
+    )
+    activation_checkpointing: Literal["none", "block"] = Field(
+        "none", description="block: recompute each block's activations in backward"
+    )
+    param_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="sharded parameters in compute: auto is bf16 on CUDA, else fp32"
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype gradients are reduced in, when sharded"
+    )
+    # Straggler mitigation: same rows, same gradient, only who computes what moves.
+    balance: Literal["even", "measured"] = Field(
+        "even", description="measured: each rank's batch share follows its throughput"
+    )
+    balance_every_logs: int = Field(
+        2, ge=1, description="measured: re-measure shares every N logging intervals"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_size_takes_the_rest(cls, data: Any) -> Any:
+        # dp_replicate takes the rest by default; when another size is set to -1, that
+        # one does, and dp_replicate (unless given) is 1.
+        takes_rest = isinstance(data, dict) and any(data.get(d) == -1 for d in MESH_DIMS)
+        if takes_rest and "dp_replicate" not in data:
+            data = {**data, "dp_replicate": 1}
+        return data
+
+    @model_validator(mode="after")
+    def _degrees_are_sizes(self) -> ParallelConfig:
+        degrees = {d: getattr(self, d) for d in MESH_DIMS}
+        if any(v == 0 for v in degrees.values()):
+            zero = [d for d, v in degrees.items() if v == 0]
+            raise ValueError(f"parallel.{zero[0]} must be >= 1, or -1 for the rest")
+        if sum(v == -1 for v in degrees.values()) > 1:
+            rest = [f"parallel.{d}" for d, v in degrees.items() if v == -1]
+            raise ValueError(
+                f"only one mesh size may be -1, got {' and '.join(rest)}; give the others "
+                "numbers (parallel.dp_replicate is -1 by default: set it to 1 when another "
+                "size takes the rest)"
+            )
+        return self
+
+    def degrees(self, world_size: int) -> dict[str, int]:
+        """The mesh sizes for `world_size` ranks, -1 resolved; ValueError when they do not
+        multiply to it."""
+        given = {d: getattr(self, d) for d in MESH_DIMS}
+        fixed = 1
+        for value in given.values():
+            fixed *= value if value > 0 else 1
+        rest = [d for d, v in given.items() if v == -1]
+        if rest and world_size % fixed == 0:
+            given[rest[0]] = world_size // fixed
+        product = 1
+        for value in given.values():
+            product *= max(value, 1)
+        if product != world_size or any(v < 1 for v in given.values()):
+            shown = " x ".join(f"{d}={v}" for d, v in self.model_dump().items() if d in given)
+            raise ValueError(
+                f"the mesh {shown} does not fit the job's {world_size} workers: the sizes "
+                "must multiply to the world size (runtime.procs_per_node times the nodes); "
+                "set one of them to -1 to take the rest (e.g. parallel.dp_replicate: -1), "
+                "or change runtime.procs_per_node"
+            )
+        return given
+
+
+class EvaluateConfig(Section):
+    """How the trained model is scored and shown; changing these re-runs evaluation only."""
+
+    batch_size: int = Field(512, ge=1)
+    baseline_max_rows: int = Field(
+        50000, ge=100, description="rows of the train split the baseline is fitted on"
+    )
+    prompts: list[str] = Field(
+        ["def ", "import ", "class Queue"],
+        description="language_modeling: prompts whose sampled continuations are shown",
+    )
+    max_new_tokens: int = Field(120, ge=1, description="language_modeling: tokens generated")
+    temperature: float = Field(0.8, gt=0.0, description="language_modeling: sampling")
+    top_k: int | None = Field(40, ge=1, description="language_modeling: sample among the k best")
+
+
+class RegistryConfig(Section):
+    experiment: str = Field("gradline", min_length=1, description="MLflow experiment")
+    model_name: str = Field("gradline-digits", min_length=1, description="registered model")
+
+
+class OrchestrateConfig(Section):
+    device_limit: str = Field(
+        "gradline-devices",
+        min_length=1,
+        description="Prefect global concurrency limit holding one slot per training device",
+    )
+    device_slots: int = Field(
+        0,
+        ge=0,
+        description="slots the limit gets when gradline creates it (0: GPUs here, else CPUs)",
+    )
+    stage_retries: int = Field(2, ge=0, description="retries of a stage that crashed")
+    retry_delay_s: float = Field(5.0, ge=0.0)
+    train_pool: str = Field(
+        "",
+        description="Prefect work pool that runs the train stage (its `gradline-train` "
+        "deployment, see `gradline deploy-train`); empty: train on this machine",
+    )
+    mlflow_ui_url: str = Field(
+        "http://127.0.0.1:5000",
+        description="MLflow UI for links when the tracking store is local (`gradline ui`)",
+    )

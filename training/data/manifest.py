@@ -1,0 +1,89 @@
+"""The shard folder's shared facts: its manifest, its splits, and its shard files.
+
+Both writers (training.data.shards for rows, training.data.tokens for token streams)
+write `manifest.json` with this layout, and every reader goes through `read_manifest`
+and `split_shards`. A row's (or document's) split is a pure function of its key (a
+stable hash), so it never moves when data is added.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from training.data.hashing import unit_interval
+from training.errors import DataError
+
+SPLITS = ("train", "val", "test")
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 3
+_SPLIT_SALT = 0x5EED_5B11
+
+
+def split_codes(keys: np.ndarray, val_fraction: float, test_fraction: float) -> np.ndarray:
+    """0 train, 1 val, 2 test: a pure function of each row's key, so a row keeps its split
+    however many rows are added around it."""
+    u = unit_interval(keys, _SPLIT_SALT)
+    return np.where(u < test_fraction, 2, np.where(u < test_fraction + val_fraction, 1, 0))
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(shard_dir: Path) -> dict[str, Any]:
+    path = shard_dir / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{path} not found; run the shard stage first (dvc repro shard)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("version") != MANIFEST_VERSION:
+        raise DataError(
+            f"{path} has manifest version {manifest.get('version')}, this gradline reads "
+            f"version {MANIFEST_VERSION}; re-run the shard stage"
+        )
+    return manifest
+
+
+def split_digest(manifest: dict[str, Any], split: str) -> str:
+    """One checksum for a whole split: equal digests mean the very same rows."""
+    joined = "".join(s["sha256"] for s in manifest["splits"][split]["shards"])
+    return hashlib.sha256(joined.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: Path
+    rows: int
+    sha256: str
+
+    def map(self, unit: str = "rows") -> pa.RecordBatch:
+        """The shard's one record batch, memory-mapped (columns are zero-copy views onto
+        the file), after checking it holds as many `unit` as the manifest says."""
+        try:
+            batch = ipc.open_file(pa.memory_map(str(self.path), "r")).get_batch(0)
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise DataError(f"cannot read shard {self.path}: {exc}; re-run shard") from exc
+        if batch.num_rows != self.rows:
+            raise DataError(
+                f"shard {self.path} has {batch.num_rows} {unit}, the manifest says "
+                f"{self.rows}; re-run the shard stage"
+            )
+        return batch
+
+
+def split_shards(shard_dir: Path, manifest: dict[str, Any], split: str) -> list[ShardInfo]:
+    return [
+        ShardInfo(shard_dir / s["file"], s["rows"], s["sha256"])
+        for s in manifest["splits"][split]["shards"]
+    ]

@@ -1,0 +1,88 @@
+"""The entry point of each worker process that torch.distributed.elastic starts.
+
+It builds the worker's place in the job (Topology) from elastic's environment, joins the
+process group, and runs the loop (training.engine.loop). Everything a process needs
+beyond that is here: dying with its agent, determinism, a bounded teardown after a
+failure, and the failure record that names the root cause.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from training.config import Config
+from training.engine.control import Control
+from training.engine.health import record_failure
+from training.engine.job import TrainJob
+from training.engine.jobdir import JobDir
+from training.engine.loop import train
+from training.engine.topology import Topology, process_group
+from training.engine.tracker import make_tracker
+
+
+@record  # a worker's exception reaches the launcher's error report
+def worker_main(job: TrainJob) -> dict[str, Any] | None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _die_with_the_agent()
+    cfg = Config.model_validate(job.config)
+    topo = Topology.from_env(cfg.runtime.backend)
+    # The mesh for the ranks actually started (the launcher's world size is the truth).
+    topo = topo.with_shape(cfg.parallel.degrees(topo.world_size))
+    # N workers share the machine's cores: cap each so they don't oversubscribe.
+    torch.set_num_threads(cfg.runtime.threads_per_worker)
+    _set_determinism(cfg, topo)
+    job_dir = JobDir(Path(job.job_dir))
+    control = Control.connect(job.rdzv_endpoint, job.rdzv_id, cfg.runtime.collective_timeout_s)
+    tracker = make_tracker(topo.is_main, job.tracking, job_dir.journal)
+    try:
+        with process_group(topo, cfg.runtime.collective_timeout_s):
+            if not topo.shape.plain_data_parallel:  # shards and stages live on a mesh
+                topo = topo.with_device_mesh()
+            return train(cfg, topo, job, tracker, control)
+    except BaseException as exc:
+        # Name the root cause for the launcher: the first rank to fail takes its peers
+        # down with it, and elastic may report a peer's error instead.
+        record_failure(control, topo.rank, topo.attempt, exc)
+        _exit_soon(10.0)
+        raise
+
+
+def _die_with_the_agent() -> None:
+    """Linux: end this worker when its agent dies. A node whose agent was killed must
+    leave the job, not keep a rank training that no agent watches or restarts."""
+    if sys.platform != "linux":
+        return
+    agent = os.getppid()  # may be 1 itself: the agent is PID 1 in many containers
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != agent:  # the agent died before prctl took effect
+        os._exit(1)
+
+
+def _exit_soon(seconds: float) -> None:
+    """Bound the teardown of a failed worker: tearing down communication can block on a
+    peer that is itself waiting in a collective, and a worker that never exits would
+    keep the agent from restarting the job."""
+    timer = threading.Timer(seconds, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
+
+
+def _set_determinism(cfg: Config, topo: Topology) -> None:
+    if not cfg.train.deterministic:
+        return
+    if topo.device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
