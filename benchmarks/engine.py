@@ -69,6 +69,10 @@ def minimal_ddp_worker(shard_dir: str, cfg: dict, steps: int) -> dict | None:
         loss.backward()
         optimizer.step()
     elapsed = time.perf_counter() - started
+    # Let gloo's worker threads retire the last backward's all-reduces before the group is
+    # torn down: each holds a Python object (autograd's stashed context) whose release
+    # needs the GIL, which the tearing-down main thread holds (torch 2.13; it hung here).
+    dist.barrier()
     dist.destroy_process_group()
     return {"loop_seconds": elapsed, "loop_steps": steps} if rank == 0 else None
 

@@ -187,11 +187,11 @@ class Work:
     whole synchronous step."""
 
     def __init__(
-        self, cfg: Config, setup: Setup, topo: Topology, inst: Instruments, resumed_at: int | None
+        self, cfg: Config, setup: Setup, topo: Topology, inst: Instruments, resumed: bool
     ) -> None:
         self.cfg, self.setup, self.topo, self.inst = cfg, setup, topo, inst
         self.batches = StepBatches(setup.loader, cfg.runtime.loader_workers, topo.device)
-        self.resumed_at = resumed_at  # the first step after a resume (None: a fresh start)
+        self.resumed = resumed  # until the first step after a resume ends
 
     def _inputs(self, n: int, **extra) -> StepInputs:
         with self.inst.phase("data_wait", n):
@@ -229,8 +229,9 @@ class Work:
 
     def _done(self, n: int) -> None:
         self.inst.step_done()
-        if n == self.resumed_at and self.topo.is_main:
+        if self.resumed and self.topo.is_main:  # when a resumed job's first step ended
             self.inst.resumed(n + 1)
+        self.resumed = False
 
 
 class Barriers:
@@ -317,7 +318,7 @@ class Attempt:
         self.inst.times.reset()  # the first interval's clock starts with training
         self.checkpointer = Checkpointer.for_job(topo, job_dir.path, cfg.runtime, tracker)
         self.checkpointer.last_step = self.start  # what we resumed from is on disk already
-        self.work = Work(cfg, setup, topo, self.inst, self.start if resumed_from else None)
+        self.work = Work(cfg, setup, topo, self.inst, resumed=bool(resumed_from))
         lockstep = setup.layout.rule.lockstep
         self.barriers = Barriers(cfg.runtime, self.per_epoch, setup.total_steps, lockstep)
 

@@ -63,8 +63,8 @@ def save_model_dir(
 ) -> None:
     """Write the folder atomically. `model` is the module build_model returned (not a
     DDP or compiled wrapper); language models need the tokenizer their ids come from."""
-    if spec.task == "language_modeling" and tokenizer_file is None:
-        raise ValueError("a language model's folder needs its tokenizer: pass tokenizer_file")
+    if spec.data_spec.kind == "tokens" and tokenizer_file is None:
+        raise ValueError("a token model's folder needs its tokenizer: pass tokenizer_file")
     state = {key: value.detach().cpu() for key, value in model.state_dict().items()}
     with atomic_dir(Path(folder)) as staging:
         torch.save(state, staging / MODEL_WEIGHTS)
