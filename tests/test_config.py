@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from training.config import Config, load_config, parse_override, write_overrides
-from training.config.jobspec import job_key
+from training.config.jobspec import SECTION_USES, job_key, use
+from training.config.schema import SECTIONS
 from training.errors import ConfigError
 
 from .conftest import REPO
@@ -153,6 +154,16 @@ def test_job_identity_leaves_out_how_the_job_runs() -> None:
     optim = base.model_copy(update={"optim": base.optim.model_copy(update={"lr": 0.1})})
     assert job_key(optim, "md5") != job_key(base, "md5")
     assert job_key(base, "other-md5") != job_key(base, "md5")
+
+
+def test_every_key_has_one_use_and_is_a_param_exactly_when_it_changes_data_or_model() -> None:
+    # A new section without a use would have no owner; a key that changes the model but
+    # is only a tag would hide what defines a run in the MLflow UI.
+    assert set(SECTION_USES) == set(SECTIONS)
+    for key in Config().flat():
+        key_use = use(key)
+        changes_result = key_use.decides_data or key_use.in_job_key
+        assert key_use.mlflow == ("param" if changes_result else "tag"), key
 
 
 def test_update_rule_is_part_of_the_job_and_balance_is_not() -> None:

@@ -3,8 +3,10 @@ routine, baselines on tiny data, the gate's direction, and the evaluate stage's 
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ from sklearn.metrics import (
 
 from training.data.spec import DataSpec
 from training.errors import ConfigError, DataError
-from training.objectives import Generation, objective_for
+from training.objectives import TASKS, Generation, objective_for
 from training.objectives.base import Predictions, Scored
 from training.objectives.language_modeling import sample_text
 from training.plots import plot_loss_curves
@@ -333,6 +335,41 @@ def test_objective_for_names_the_fix_when_task_and_data_disagree() -> None:
         )
     with pytest.raises(ConfigError, match="not one of"):
         objective_for("ranking", DataSpec("table", (3,), num_classes=2))
+
+
+def _deciding_parts(node: ast.AST) -> list:
+    """The parts of a node that decide by value: both sides of a comparison (`==`,
+    `in`), or a table's keys."""
+    if isinstance(node, ast.Compare):
+        return [node.left, *node.comparators]
+    if isinstance(node, ast.Dict):
+        return [key for key in node.keys if key is not None]
+    return []
+
+
+def _task_names_decided_outside_objectives() -> list[str]:
+    """Each place outside training/objectives that compares against a task name or keys
+    a table by one: where adding a task would have to edit another file."""
+    root = Path(__file__).resolve().parents[1]
+    files = [p for folder in ("training", "flows", "tasks") for p in (root / folder).rglob("*.py")]
+    found = []
+    for path in sorted(files):
+        if "objectives" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for part in _deciding_parts(node):
+                if any(
+                    isinstance(leaf, ast.Constant) and leaf.value in TASKS
+                    for leaf in ast.walk(part)
+                ):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_no_layer_outside_the_task_modules_decides_by_task_name() -> None:
+    # Tasks are plug-ins: a new task is its module and its card; nothing else may branch
+    # on a task's name (the issue counted ~24 such places before).
+    assert _task_names_decided_outside_objectives() == []
 
 
 # --- the evaluate stage's files ------------------------------------------------------------
