@@ -8,6 +8,7 @@ starts without loading Prefect.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -15,7 +16,8 @@ import sys
 from pathlib import Path
 
 from flows.environment import apply_offline_defaults
-from training.errors import ERROR_FILE_ENV, GradlineError
+from training.errors import ERROR_FILE_ENV, GradlineError, as_user_error
+from training.lock import project_lock
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -27,7 +29,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     load_config(Project(root).params, args.set)
     from flows.pipeline import pipeline
 
-    summary = pipeline(overrides=args.set, force=args.force, root=str(root))
+    with project_lock(root, wait=not args.no_wait):  # the flow holds it too (deployments)
+        summary = pipeline(overrides=args.set, force=args.force, root=str(root))
     print(summary.describe())
     return 0
 
@@ -43,8 +46,8 @@ def _cmd_compare_updates(args: argparse.Namespace) -> int:
     plan = plan_comparison(
         root, parse_rules(args.rules), args.set, args.slow_rank, args.slow_factor
     )
-    reproduce_shards(root)
-    with store_errors(default_tracking_uri(root)):
+    with project_lock(root, wait=not args.no_wait), store_errors(default_tracking_uri(root)):
+        reproduce_shards(root)
         report = run_comparison(plan)
     print(report.describe())
     return 0
@@ -58,7 +61,8 @@ def _cmd_example(args: argparse.Namespace) -> int:
         print(describe())
         return 0
     project = Project(find_project_root())
-    cfg = apply_example(project.params, args.name)
+    with project_lock(project.root, wait=not args.no_wait):
+        cfg = apply_example(project.params, args.name)
     print(
         f"params.yaml now holds example {args.name}: {cfg.task.type} of {cfg.data.source} "
         f"data with model {cfg.model.name or cfg.model.target}. Run it with `gradline run`."
@@ -95,7 +99,8 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     root = find_project_root()
     with store_errors(default_tracking_uri(root)):
         if args.restore_data:
-            target = restore_data(root, args.model, Path(args.restore_data))
+            with project_lock(root):
+                target = restore_data(root, args.model, Path(args.restore_data))
             print(f"restored the training data of {args.model} into {target}")
         else:
             print(lineage_text(root, args.model))
@@ -114,11 +119,24 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _cmd_stage(args: argparse.Namespace) -> int:
-    from training import stages
-    from training.project import find_project_root
+    from training.project import Project, find_project_root
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     root = find_project_root()
+    # The nodes of a multi-node job are one writer (their launcher queues jobs), and on
+    # a shared filesystem they share one project folder: they do not lock it.
+    multi_node = (
+        args.name == "train"
+        and Project(root).config(launch_overrides(args)).runtime.node_range[1] > 1
+    )
+    with contextlib.nullcontext() if multi_node else project_lock(root, wait=not args.no_wait):
+        _run_stage(args, root)
+    return 0
+
+
+def _run_stage(args: argparse.Namespace, root: Path) -> None:
+    from training import stages
+
     if args.name == "ingest":
         stages.ingest_stage(root, Path(args.out), Path(args.quarantine), Path(args.report))
     elif args.name == "shard":
@@ -141,7 +159,6 @@ def _cmd_stage(args: argparse.Namespace) -> int:
             Path(args.metrics),
             Path(args.plots),
         )
-    return 0
 
 
 def _cmd_ui(args: argparse.Namespace) -> int:
@@ -191,6 +208,11 @@ def _add_run(sub) -> None:
         action="store_true",
         help="run every stage even when data, params and code are unchanged",
     )
+    run.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="exit (code 2) at once if another run holds the project, instead of waiting",
+    )
     run.set_defaults(func=_cmd_run)
 
 
@@ -227,6 +249,11 @@ def _add_compare(sub) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override a params.yaml value for this comparison only (repeatable)",
     )
+    compare.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="exit (code 2) at once if another run holds the project, instead of waiting",
+    )
     compare.set_defaults(func=_cmd_compare_updates)
 
 
@@ -236,6 +263,11 @@ def _add_example(sub) -> None:
     )
     example.add_argument("name", nargs="?", help="the example's name")
     example.add_argument("--list", action="store_true", help="list the examples")
+    example.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="exit (code 2) at once if another run holds the project, instead of waiting",
+    )
     example.set_defaults(func=_cmd_example)
 
 
@@ -297,6 +329,11 @@ def _add_stage(sub) -> None:
     evaluate = stage_sub.add_parser("evaluate")
     for flag in ("--model", "--shards", "--result", "--metrics", "--plots"):
         evaluate.add_argument(flag, required=True)
+    stage.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="exit (code 2) at once if another run holds the project, instead of waiting",
+    )
     stage.set_defaults(func=_cmd_stage)
 
 
@@ -366,13 +403,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except GradlineError as exc:
-        print(f"gradline: error: {exc}", file=sys.stderr)
-        _record_error(exc)
-        return exc.exit_code
     except BrokenPipeError:  # `gradline lineage ... | head`: the reader has had enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (GradlineError, OSError) as exc:
+        error = as_user_error(exc)  # a full disk is the user's to fix, like bad input
+        if error is None:
+            raise
+        print(f"gradline: error: {error}", file=sys.stderr)
+        _record_error(error)
+        return error.exit_code
 
 
 def _record_error(exc: GradlineError) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.states import Completed
 
 from flows.train_pool import check_train_pool, train_on_pool
@@ -25,6 +25,7 @@ from tasks.registry import (
     register_model,
 )
 from training.config import Config, load_config, write_overrides
+from training.lock import project_lock
 from training.project import Project, find_project_root
 
 
@@ -52,9 +53,15 @@ def pipeline(
     force: run every stage even when data, params and code are unchanged.
     """
     root = str(Path(root).resolve()) if root else str(find_project_root())
+    # One writer per project: a second run (a deployment's, a terminal's) waits here.
+    with project_lock(Path(root), say=get_run_logger().info):
+        return _run_steps(root, list(overrides or []), force)
+
+
+def _run_steps(root: str, overrides: list[str], force: bool) -> RunSummary:
     step = "params"
     try:
-        cfg = apply_params(root, list(overrides or []))
+        cfg = apply_params(root, overrides)
         if not force:
             step = "check-up-to-date"
             if latest := find_up_to_date_run(root, cfg):

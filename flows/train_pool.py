@@ -36,6 +36,7 @@ from tasks.quota import device_slots
 from training.atomic import atomic_file
 from training.config import Config, load_config
 from training.errors import ConfigError, GradlineError
+from training.lock import project_lock
 from training.project import Project, find_project_root
 
 FLOW_NAME = "gradline-train"
@@ -67,20 +68,21 @@ def train_stage(
     """
     root = find_project_root()
     project = Project(root)
-    with atomic_file(project.params, "w") as handle:
-        handle.write(params)
-    write_lock_entry(root, "shard", shard_lock)
-    pull_outputs(str(root), "shard")
-    # This machine's devices are the pool's: a quota of their own, named after the pool.
-    limit = f"{load_config(project.params).orchestrate.device_limit}-{pool}"
-    cfg = load_config(project.params, [f"orchestrate.device_limit={limit}"])
-    with device_slots(cfg):
-        run_stage(cfg, str(root), "train", force, record_as)
-    push_outputs(str(root), "train")
-    produced = {
-        "lock": lock_entry(root, "train"),
-        "result_json": project.train_result.read_text(),
-    }
+    with project_lock(root, say=get_run_logger().info):  # this checkout's one writer
+        with atomic_file(project.params, "w") as handle:
+            handle.write(params)
+        write_lock_entry(root, "shard", shard_lock)
+        pull_outputs(str(root), "shard")
+        # This machine's devices are the pool's: a quota of their own, named after the pool.
+        limit = f"{load_config(project.params).orchestrate.device_limit}-{pool}"
+        cfg = load_config(project.params, [f"orchestrate.device_limit={limit}"])
+        with device_slots(cfg):
+            run_stage(cfg, str(root), "train", force, record_as)
+        push_outputs(str(root), "train")
+        produced = {
+            "lock": lock_entry(root, "train"),
+            "result_json": project.train_result.read_text(),
+        }
     _publish(produced)
     return produced
 

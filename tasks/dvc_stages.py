@@ -27,7 +27,13 @@ from prefect.runtime import flow_run
 
 from training.atomic import atomic_file
 from training.config import Config
-from training.errors import ERROR_FILE_ENV, GradlineError, is_retryable_exit
+from training.errors import (
+    ERROR_FILE_ENV,
+    PREEMPTED_EXIT_CODE,
+    GradlineError,
+    is_retryable,
+    is_retryable_exit,
+)
 from training.mlops.tracking import FLOW_RUN_ENV
 from training.mlops.versioning import data_version
 
@@ -120,15 +126,37 @@ def run_dvc(
     return "\n".join(tail)
 
 
-def retry_unless_user_error(task, task_run, state) -> bool:
-    """Prefect retry condition: retry crashes and preemptions, never bad config or data."""
-    exc = state.result(raise_on_failure=False)
-    if isinstance(exc, GradlineError):
-        return exc.retryable
-    return True
+class RetryBudget:
+    """A stage's retries, two budgets as Ray Train keeps them: preemptions (exit 75: the
+    job saved and stopped, as on a spot reclaim) are expected and many; crashes few. Bad
+    input and a full disk get none: the same run would fail the same way."""
+
+    def __init__(self, crashes: int, preemptions: int) -> None:
+        self.left = {"crash": crashes, "preemption": preemptions}
+
+    @property
+    def most(self) -> int:
+        return sum(self.left.values())
+
+    def allows(self, task, task_run, state) -> bool:
+        """Prefect's retry condition: spend one retry of the failure's kind, if any left."""
+        kind = failure_kind(state.result(raise_on_failure=False))
+        if kind is None or self.left[kind] == 0:
+            return False
+        self.left[kind] -= 1
+        return True
 
 
-@task(name="dvc-repro", task_run_name="dvc-repro", retry_condition_fn=retry_unless_user_error)
+def failure_kind(exc: BaseException) -> str | None:
+    """ "preemption", "crash", or None when no retry can help."""
+    if not is_retryable(exc):
+        return None
+    if getattr(exc, "exit_code", None) == PREEMPTED_EXIT_CODE:
+        return "preemption"
+    return "crash"
+
+
+@task(name="dvc-repro", task_run_name="dvc-repro")
 def reproduce_stage(root: str, stage: str, force: bool = False, record_as: str = "") -> bool:
     """Run one stage if DVC finds it stale (or always, forced); True when it ran."""
     args = ["repro", "--single-item", stage]
@@ -139,12 +167,15 @@ def reproduce_stage(root: str, stage: str, force: bool = False, record_as: str =
 
 
 def run_stage(cfg: Config, root: str, name: str, force: bool, record_as: str = "") -> bool:
-    """The stage as a task named after it, retried on crashes (never on bad input)."""
+    """The stage as a task named after it, retried on crashes and preemptions, each within
+    its own budget (never on bad input or a full disk)."""
+    budget = RetryBudget(cfg.orchestrate.stage_retries, cfg.orchestrate.preemption_retries)
     stage = reproduce_stage.with_options(
         name=name,
         task_run_name=name,
-        retries=cfg.orchestrate.stage_retries,
+        retries=budget.most,
         retry_delay_seconds=cfg.orchestrate.retry_delay_s,
+        retry_condition_fn=budget.allows,
     )
     return stage(root, name, force, record_as)
 

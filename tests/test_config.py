@@ -60,6 +60,11 @@ def test_unknown_section_is_named(params: Path) -> None:
         ("optim.lr=-1", r"optim\.lr: Input should be greater than 0"),
         ("optim.name=adam", r"optim\.name: Input should be 'adamw' or 'sgd'"),
         ("optim.momentum=1", r"optim\.momentum: Input should be less than 1"),
+        # What would fail only after training, or on every retry, fails here.
+        ("registry.model_name=a/b", r"'a/b' is not a name the model registry takes"),
+        ("registry.model_name=it's", r"is not a name the model registry takes"),
+        ("train.seed=18446744073709551616", r"train\.seed: Input should be less than or equal"),
+        ("runtime.rdzv_endpoint=host:70000", r"a port from 1 to 65535"),
         (
             "runtime.procs_per_node=3",
             r"multiple of the data-parallel ranks x train\.grad_accum_steps",

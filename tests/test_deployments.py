@@ -3,6 +3,7 @@ references, the retry contract, progress reporting, one-shot faults."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ from training.errors import (
     PREEMPTED_EXIT_CODE,
     USER_ERROR_EXIT_CODE,
     ConfigError,
+    DiskFull,
     TrackingError,
     is_retryable_exit,
 )
@@ -88,20 +90,28 @@ def test_only_user_errors_are_final() -> None:
     assert (Preempted.exit_code, Preempted.retryable) == (PREEMPTED_EXIT_CODE, True)
 
 
-def test_retry_condition_reads_the_failure() -> None:
+def test_preemptions_and_crashes_spend_separate_budgets_and_lasting_failures_none() -> None:
     from prefect.states import Failed
 
-    from tasks.dvc_stages import StageFailed, retry_unless_user_error
+    from tasks.dvc_stages import RetryBudget, StageFailed
 
     def failed_with(exc: BaseException):
         return Failed(data=exc)
 
-    crash = StageFailed("workers died", CRASH_EXIT_CODE, retryable=True)
+    crash = failed_with(StageFailed("workers died", CRASH_EXIT_CODE, retryable=True))
+    preempted = failed_with(StageFailed("stopped", PREEMPTED_EXIT_CODE, retryable=True))
+    budget = RetryBudget(crashes=2, preemptions=3)
+    assert budget.most == 5
+    # A night of spot reclaims does not use up the crash budget, nor the reverse.
+    assert [budget.allows(None, None, preempted) for _ in range(4)] == [True] * 3 + [False]
+    assert [budget.allows(None, None, crash) for _ in range(3)] == [True, True, False]
+    fresh = RetryBudget(crashes=2, preemptions=10)
     bad_data = StageFailed("label 12 outside 0..9", USER_ERROR_EXIT_CODE, retryable=False)
-    assert retry_unless_user_error(None, None, failed_with(crash))
-    assert not retry_unless_user_error(None, None, failed_with(bad_data))
-    assert not retry_unless_user_error(None, None, failed_with(ConfigError("bad")))
-    assert retry_unless_user_error(None, None, failed_with(OSError("disk hiccup")))
+    full = OSError(errno.ENOSPC, "No space left on device", "checkpoints/step-8")
+    for lasting in (bad_data, ConfigError("bad"), full, DiskFull("full")):
+        assert not fresh.allows(None, None, failed_with(lasting)), lasting
+    assert fresh.allows(None, None, failed_with(OSError("disk hiccup")))
+    assert fresh.left == {"crash": 1, "preemption": 10}
 
 
 def test_plain_progress_logs_every_tenth(monkeypatch, caplog) -> None:

@@ -436,3 +436,25 @@ def test_retried_training_continues_the_same_run(server, quota_projects) -> None
         filter_string=f"tags.`gradline.prefect_flow_run_id` = '{train['flow_run_id']}'",
     )
     assert [r.info.run_id for r in job_runs] == [run_id]
+
+
+def test_preemptions_spend_their_own_retry_budget(server, quota_projects) -> None:
+    # Three spot reclaims in one night with no crash retries left: the preemption budget
+    # (not stage_retries) carries the run through, resuming each time where it stopped.
+    root = quota_projects[1]
+    notices = ";".join(f"term:rank=0:step={step}:once=1" for step in (6, 12, 18))
+    proc = _gradline(
+        root,
+        server,
+        "run",
+        "--force",
+        *("--set", "orchestrate.stage_retries=0", "--set", "orchestrate.preemption_retries=3"),
+        *("--set", "orchestrate.retry_delay_s=0"),
+        GRADLINE_FAULT=notices,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert _train_task_run(server, root)["run_count"] == 4  # preempted 3 times, then done
+    run_id = json.loads((root / "result.json").read_text())["run_id"]
+    assert f"MLflow run {run_id} (resumed)" in proc.stdout + proc.stderr
+    steps = sorted(m.step for m in _mlflow(root).get_metric_history(run_id, "train_loss"))
+    assert steps == list(range(1, steps[-1] + 1))  # one value per step, no gap

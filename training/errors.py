@@ -5,6 +5,12 @@ Each class says whether running again can help (`retryable`) and which exit code
 (through `dvc repro`) can still decide whether to retry it.
 """
 
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
 USER_ERROR_EXIT_CODE = 2  # fix the input; a retry would fail the same way
 CRASH_EXIT_CODE = 70  # EX_SOFTWARE: workers failed; a retry resumes from the checkpoint
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request, state saved; run again to resume
@@ -40,3 +46,60 @@ def is_retryable_exit(code: int | None) -> bool:
     """Whether a stage that ended with `code` may succeed when run again. Only the
     user-error code says no: crashes, preemptions and signals are worth a retry."""
     return code != USER_ERROR_EXIT_CODE
+
+
+class DiskFull(GradlineError):
+    """A write found no space left; running again fails the same way until space is freed."""
+
+
+# ENOSPC and EDQUOT (a quota): no retry helps until someone frees space.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(path: Path | str, needed: int | None = None) -> DiskFull:
+    """The error for a write under `path` that does not fit: where, needed, free, what to do."""
+    free = free_bytes(Path(path))
+    need = f"it needs about {_size(needed)}, " if needed else ""
+    return DiskFull(
+        f"no space left for {path}: {need}{_size(free)} free there. Free space on that "
+        "disk (or point the output elsewhere), then run again: finished outputs and "
+        "checkpoints are kept, and training resumes from its latest checkpoint"
+    )
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system of `path` (or of its nearest existing parent)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return 0
+
+
+def ensure_free(path: Path, needed: int) -> None:
+    """Fail early, before a large write under `path`, when it cannot fit."""
+    if free_bytes(path) < needed:
+        raise disk_full(path, needed)
+
+
+def as_user_error(exc: BaseException) -> GradlineError | None:
+    """The GradlineError an exception means for the user, if any: out of space is one."""
+    if isinstance(exc, GradlineError):
+        return exc
+    if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+        return disk_full(exc.filename or "the output")
+    return None
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether running again may get past `exc`: not bad input, not a full disk."""
+    error = as_user_error(exc)
+    return error.retryable if error is not None else True
+
+
+def _size(count: int) -> str:
+    value, unit = float(count), "bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            break
+        value /= 1024
+    return f"{count} bytes" if unit == "bytes" else f"{value:.1f} {unit}"

@@ -8,11 +8,14 @@ place: training.config.jobspec.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from training.options import Section
+
+_MODEL_NAME = re.compile(r"[^\W_][\w .-]*")
 
 
 class OptimConfig(Section):
@@ -37,7 +40,8 @@ class TrainConfig(Section):
     )
     batch_size: int = Field(64, ge=1, description="global batch per optimizer step")
     grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
-    seed: int = Field(0, ge=0)
+    # numpy's generators take seeds below 2**32; a larger one would fail in every worker.
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     deterministic: bool = Field(True, description="deterministic kernels: bitwise resume")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU"
@@ -141,9 +145,10 @@ class RuntimeConfig(Section):
                 "every node): pass --rdzv-endpoint and --rdzv-id to `gradline stage train`"
             )
         host, _, port = self.rdzv_endpoint.rpartition(":")
-        if self.rdzv_endpoint and not (host and port.isdigit()):
+        if self.rdzv_endpoint and not (host and port.isdigit() and 0 < int(port) < 65536):
             raise ValueError(
-                f"runtime.rdzv_endpoint={self.rdzv_endpoint!r}: give HOST:PORT, e.g. node1:29500"
+                f"runtime.rdzv_endpoint={self.rdzv_endpoint!r}: give HOST:PORT with a port "
+                "from 1 to 65535, e.g. node1:29500"
             )
         return self
 
@@ -255,6 +260,19 @@ class RegistryConfig(Section):
     experiment: str = Field("gradline", min_length=1, description="MLflow experiment")
     model_name: str = Field("gradline-digits", min_length=1, description="registered model")
 
+    @field_validator("model_name")
+    @classmethod
+    def _name_the_registry_takes(cls, name: str) -> str:
+        # MLflow refuses '/' and ':' (and '..' path parts) only when registering, after
+        # all the training; quotes break its search filters. Refuse them up front.
+        if not _MODEL_NAME.fullmatch(name) or ".." in name:
+            raise ValueError(
+                f"{name!r} is not a name the model registry takes: use letters, digits, "
+                "'_', '-', '.' and spaces, starting with a letter or digit (e.g. "
+                "gradline-digits)"
+            )
+        return name
+
 
 class OrchestrateConfig(Section):
     device_limit: str = Field(
@@ -268,6 +286,9 @@ class OrchestrateConfig(Section):
         description="slots the limit gets when gradline creates it (0: GPUs here, else CPUs)",
     )
     stage_retries: int = Field(2, ge=0, description="retries of a stage that crashed")
+    preemption_retries: int = Field(
+        10, ge=0, description="retries of a stage stopped by a preemption (exit 75)"
+    )
     retry_delay_s: float = Field(5.0, ge=0.0)
     train_pool: str = Field(
         "",

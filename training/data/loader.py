@@ -37,6 +37,15 @@ def batches_per_epoch(num_rows: int, global_batch: int) -> int:
     return num_rows // global_batch
 
 
+def check_batch_fits(train_rows: int, global_batch: int) -> None:
+    """Fail as bad input (no retry can help) when not one global batch fits the split."""
+    if batches_per_epoch(train_rows, global_batch) == 0:
+        raise DataError(
+            f"train split has {train_rows} rows, fewer than one global batch "
+            f"({global_batch}); lower train.batch_size or use more data"
+        )
+
+
 def rank_slice(batch_index: int, global_batch: int, world_size: int, rank: int) -> slice:
     """Positions in the epoch permutation that rank `rank` reads for one global batch."""
     if global_batch % world_size:
@@ -187,11 +196,7 @@ class RankLoader:
         seed: int,
         shares: list[int] | None = None,
     ) -> None:
-        if batches_per_epoch(reader.num_rows, global_batch) == 0:
-            raise DataError(
-                f"train split has {reader.num_rows} rows, fewer than one global batch "
-                f"({global_batch}); lower train.batch_size or use more data"
-            )
+        check_batch_fits(reader.num_rows, global_batch)
         reader.open_all()
         self.reader = reader
         self.rank = rank

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
 
 from training.data.hashing import unit_interval
-from training.errors import DataError
+from training.errors import DataError, ensure_free
 
 SPLITS = ("train", "val", "test")
 MANIFEST = "manifest.json"
@@ -40,6 +41,17 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def ensure_room_for_shards(out_dir: Path, raw_files: list[Path], per_value: float = 1.0) -> None:
+    """Fail before sharding when the shards cannot fit beside the old ones (kept until
+    the swap): their size is about the raw data's uncompressed size (Parquet's row-group
+    metadata), times `per_value` (token ids per byte of text, times their width)."""
+    uncompressed = 0
+    for path in raw_files:
+        meta = pq.ParquetFile(path).metadata
+        uncompressed += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    ensure_free(out_dir.parent, int(uncompressed * per_value))
 
 
 def read_manifest(shard_dir: Path) -> dict[str, Any]:

@@ -19,7 +19,14 @@ import pyarrow.parquet as pq
 
 from training.atomic import atomic_dir, write_json
 from training.data.options import ShardConfig
-from training.data.manifest import MANIFEST, MANIFEST_VERSION, SPLITS, file_sha256, split_codes
+from training.data.manifest import (
+    MANIFEST,
+    MANIFEST_VERSION,
+    SPLITS,
+    ensure_room_for_shards,
+    file_sha256,
+    split_codes,
+)
 from training.data.sources import FEATURES, LABEL, ROW_KEY, RawLayout
 from training.data.text import is_text_snapshot
 from training.data.tokens import write_token_shards
@@ -143,6 +150,7 @@ def write_shards(
     label_moments = RunningMoments() if layout.label_type == "float32" else None
     target = max(1, int(cfg.target_shard_mb * 2**20))
     rows_in = sum(pq.ParquetFile(path).metadata.num_rows for path in files)
+    ensure_room_for_shards(out_dir, files)
     with atomic_dir(out_dir) as staging, Progress("shard", rows_in, "rows") as progress:
         writers = [_SplitWriter(name, staging, target) for name in SPLITS]
         total = 0

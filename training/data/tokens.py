@@ -28,6 +28,7 @@ from training.data.manifest import (
     MANIFEST_VERSION,
     SPLITS,
     ShardInfo,
+    ensure_room_for_shards,
     file_sha256,
     split_codes,
 )
@@ -100,6 +101,8 @@ def write_token_shards(cfg: ShardConfig, raw_dir: Path, out_dir: Path, data_vers
     dtype = token_dtype(tokenizer.vocab_size)
     shard_tokens = max(1, int(cfg.target_shard_mb * 2**20) // dtype.itemsize)
     documents = pq.ParquetFile(raw_dir / DOCUMENTS_FILE).metadata.num_rows
+    # At most one token per byte of text.
+    ensure_room_for_shards(out_dir, [raw_dir / DOCUMENTS_FILE], per_value=dtype.itemsize)
     with atomic_dir(out_dir) as staging, Progress("shard", documents, "documents") as progress:
         writers = [_TokenSplitWriter(name, staging, shard_tokens, dtype) for name in SPLITS]
         for batch in read_documents(raw_dir, [ROW_KEY, TEXT]):

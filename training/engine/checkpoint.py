@@ -30,8 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from training.atomic import fsync_dir
+from training.errors import ensure_free
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +42,25 @@ TRAIN_STATE = "train_state.json"
 MANIFEST = "sha256.json"
 _NAME = re.compile(r"^step-(\d{8})$")
 _TMP_NAME = re.compile(r"^step-(\d{8})\.tmp$")
+_ROOM_MARGIN = 1 << 20  # DCP's metadata, the train state and checksums
 
 
 class CorruptCheckpoint(Exception):
     pass
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensors this rank holds in `state` (its shard of a sharded tensor):
+    about what it writes into a checkpoint."""
+    if isinstance(state, DTensor):
+        return state_bytes(state.to_local())
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(value) for value in state)
+    return 0
 
 
 def checkpoint_dir(directory: Path, step: int) -> Path:
@@ -191,6 +208,9 @@ class Checkpointer:
             return 0.0
         started = time.perf_counter()
         self.wait()
+        # A full disk fails here, naming the folder, before a torn save; the checkpoints
+        # already written are kept (pruning comes after a complete save).
+        ensure_free(self.directory, state_bytes(state) + _ROOM_MARGIN)
         staging = _staging_dir(self.directory, step)
         if self.is_main:
             # A torn save of this step by a killed attempt. Safe to remove: no rank writes

@@ -9,15 +9,18 @@ Format: `KIND:rank=R:step=S[:seconds=X][:attempt=A][:once=1]`, several separated
   slow   - from step S on, every step: sleep `seconds`, or with `factor=F` stretch the
            step's compute F times (a slower device: the delay follows the rank's share)
   term   - at step S (or the first after it), send SIGTERM to the launcher (this worker's
-           parent, once per attempt): a preemption
+           parent, once per attempt; with once=1 once in the job): a preemption
            notice, as a cluster manager gives, that the job saves and stops on
   hiccup - from step S on, with probability `prob` per step, stall for `factor` times the
            step's compute (a transient straggler; a seeded draw per rank and step)
+  fill   - at step S, fill the disk of the job's checkpoints (a file `fill-ballast` in the
+           job's folder, written until the disk is full): a disk that fills up mid-run
 rank=-1 applies a fault to every rank. Unset, it costs one attribute check per step.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -27,6 +30,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "GRADLINE_FAULT"
+
+
+BALLAST = "fill-ballast"  # what the fill fault writes, in the job's folder
+
+
+def _fill_disk(ballast: Path) -> None:
+    size = 1 << 20
+    with ballast.open("ab", buffering=0) as handle:
+        while size:  # whole MiBs, then halves of what is left, down to a byte
+            try:
+                handle.write(bytes(size))
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                size //= 2
 
 
 class InjectedFailure(RuntimeError):
@@ -54,7 +72,7 @@ def parse(spec: str) -> list[Fault]:
     for item in filter(None, (part.strip() for part in spec.split(";"))):
         kind, *fields = item.split(":")
         values = dict(f.split("=", 1) for f in fields)
-        if kind not in ("kill", "fail", "stall", "slow", "hiccup", "term"):
+        if kind not in ("kill", "fail", "stall", "slow", "hiccup", "term", "fill"):
             raise ValueError(f"{ENV}: unknown fault kind {kind!r} in {item!r}")
         faults.append(
             Fault(
@@ -96,6 +114,17 @@ class FaultPlan:
             (self.record_dir / "killed.json").write_text(payload)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def _first_time_in_job(self, fault: Fault) -> bool:
+        """Always, unless once=1: then only the first time in the job, even across
+        launches (remembered beside the job's checkpoints, which outlive a launch)."""
+        if not fault.once or self.record_dir is None:
+            return True
+        marker = self.record_dir.parent / fault.marker
+        if marker.exists():
+            return False
+        marker.write_text("")
+        return True
+
     def at_step(self, step: int) -> None:
         if not self.active:
             return
@@ -105,18 +134,15 @@ class FaultPlan:
             elif fault.kind in ("kill", "term") and self.attempt == fault.attempt:
                 # A preemption notice comes from step S on, once: an async rank numbers
                 # its own gradients and, resumed past S, would never see S itself.
-                if step == fault.step or (fault.kind == "term" and step > fault.step):
+                due = step == fault.step or (fault.kind == "term" and step > fault.step)
+                if due and self._first_time_in_job(fault):
                     self._fire_once(fault, step)
             elif step != fault.step or fault.kind == "hiccup":
                 continue
-            elif fault.kind == "fail":
-                if fault.once:
-                    # Remembered beside the job's checkpoints, which outlive a launch.
-                    marker = self.record_dir.parent / fault.marker
-                    if marker.exists():
-                        continue
-                    marker.write_text("")
+            elif fault.kind == "fail" and self._first_time_in_job(fault):
                 raise InjectedFailure(f"injected failure at step {step}")
+            elif fault.kind == "fill" and self._first_time_in_job(fault):
+                _fill_disk(self.record_dir.parent / BALLAST)
             elif fault.kind == "stall":
                 time.sleep(fault.seconds or 10**6)
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from training.engine.control import Control
+from training.errors import as_user_error, is_retryable
 
 log = logging.getLogger("gradline.health")
 
@@ -98,12 +99,19 @@ def record_failure(control: Control, rank: int, attempt: int, exc: BaseException
         "rank": rank,
         "time": time.time(),
         "attempt": attempt,
-        "error": f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500],
+        "error": _describe(exc),
+        # A full disk or bad input fails every attempt alike: the launcher stops there.
+        "retryable": is_retryable(exc),
     }
     try:
         control.put_failure(payload)
     except (RuntimeError, OSError) as store_error:
         log.warning("rank %d: failure record not published (%s)", rank, store_error)
+
+
+def _describe(exc: BaseException) -> str:
+    error = as_user_error(exc) or exc
+    return f"{type(error).__name__}: {error}".strip().splitlines()[0][:500]
 
 
 def latest_failures(records: list[dict]) -> list[dict]:

@@ -35,7 +35,12 @@ from training.engine.health import describe, latest_failures
 from training.engine.job import TrainJob
 from training.engine.jobdir import JobDir
 from training.engine.worker import worker_main
-from training.errors import CRASH_EXIT_CODE, PREEMPTED_EXIT_CODE, GradlineError
+from training.errors import (
+    CRASH_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    GradlineError,
+)
 
 log = logging.getLogger("gradline.launch")
 
@@ -46,6 +51,14 @@ class TrainingFailed(GradlineError):
 
     exit_code = CRASH_EXIT_CODE
     retryable = True
+
+
+class TrainingCannotContinue(TrainingFailed):
+    """Workers failed for a reason no restart gets past (a full disk, bad input): the
+    message names it; fix it, then run again to resume."""
+
+    exit_code = USER_ERROR_EXIT_CODE
+    retryable = False
 
 
 class Preempted(GradlineError):
@@ -82,7 +95,9 @@ def _stop_requests_go_to_the_store(control: Control) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _explain(exc: Exception, control: Control, attempts: int, ranks: int) -> str:
+def _failure(exc: Exception, control: Control, attempts: int, ranks: int) -> TrainingFailed:
+    """What failed, from the ranks' failure records and heartbeats; retryable unless the
+    root cause is one no restart gets past."""
     lines = [f"training failed after {attempts} attempt(s):"]
     try:
         recorded, beats = latest_failures(control.failures()), control.beats(ranks)
@@ -98,8 +113,11 @@ def _explain(exc: Exception, control: Control, attempts: int, ranks: int) -> str
             lines.append(f"  rank {rank} exited with code {failure.exitcode}")
     if hang := describe(beats):
         lines.append(f"  progress: {hang}")
+    if recorded and not recorded[0].get("retryable", True):
+        lines.append("  a retry would fail the same way: fix the cause above, then run again")
+        return TrainingCannotContinue("\n".join(lines))
     lines.append("  the latest checkpoint is kept; run again to resume from it")
-    return "\n".join(lines)
+    return TrainingFailed("\n".join(lines))
 
 
 def _launch_config(runtime: RuntimeConfig, control: Control, max_restarts: int) -> LaunchConfig:
@@ -153,7 +171,7 @@ def launch_workers(
             launch = elastic_launch(_launch_config(runtime, control, max_restarts), worker_main)
             results = launch(job)
         except ChildFailedError as exc:
-            raise TrainingFailed(_explain(exc, control, max_restarts + 1, ranks)) from exc
+            raise _failure(exc, control, max_restarts + 1, ranks) from exc
     stopped = [r for r in results.values() if r and r.get("preempted")]
     if stopped:
         raise Preempted(

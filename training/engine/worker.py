@@ -28,6 +28,7 @@ from training.engine.jobdir import JobDir
 from training.engine.loop import train
 from training.engine.topology import Topology, process_group
 from training.engine.tracker import make_tracker
+from training.errors import GradlineError
 
 
 @record  # a worker's exception reaches the launcher's error report
@@ -45,6 +46,7 @@ def worker_main(job: TrainJob) -> dict[str, Any] | None:
     control = Control.connect(job.rdzv_endpoint, job.rdzv_id, cfg.runtime.collective_timeout_s)
     tracker = make_tracker(topo.is_main, job.tracking, job_dir.journal)
     try:
+        _refuse_after_a_lasting_failure(control)
         with process_group(topo, cfg.runtime.collective_timeout_s):
             if not topo.shape.plain_data_parallel:  # shards and stages live on a mesh
                 topo = topo.with_device_mesh()
@@ -55,6 +57,16 @@ def worker_main(job: TrainJob) -> dict[str, Any] | None:
         record_failure(control, topo.rank, topo.attempt, exc)
         _exit_soon(10.0)
         raise
+
+
+def _refuse_after_a_lasting_failure(control: Control) -> None:
+    """An elastic restart after a failure no restart gets past (a full disk, bad input)
+    ends at once, naming it, instead of training up to the same failure again."""
+    lasting = [r for r in control.failures() if not r.get("retryable", True)]
+    if lasting:
+        raise GradlineError(
+            f"not restarting: rank {lasting[0]['rank']} failed with {lasting[0]['error']}"
+        )
 
 
 def _die_with_the_agent() -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from training.config import Config
+from training.data.loader import check_batch_fits
 from training.data.manifest import read_manifest
 from training.data.spec import DataSpec
 from training.engine.control import Control
@@ -75,6 +76,7 @@ def run_job(request: JobRequest, control: Control | None = None) -> JobOutcome:
     # A model that cannot be built for this data fails here, as bad input (exit 2),
     # before a run is created or a worker starts.
     check_buildable(cfg.model, cfg.task.type, DataSpec.from_manifest(manifest), cfg.layout())
+    check_batch_fits(manifest["splits"]["train"]["rows"], cfg.train.batch_size)
     control = control or open_control(cfg.runtime)
     job = _open(request, control, manifest["data_version"])
     log.info(
