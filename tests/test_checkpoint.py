@@ -241,6 +241,18 @@ def test_every_rank_writes_its_part_before_the_checkpoint_completes(tmp_path) ->
     assert torch.equal(model.shared.data, torch.arange(8.0) + 10)
 
 
+def test_checkpoint_copies_waiting_to_ship_are_bounded(tmp_path) -> None:
+    # The tracking server is down: nothing ships, yet the disk holds at most `keep`
+    # copies beyond the checkpoints themselves.
+    from training.mlops.tracking import link_checkpoint
+
+    for step in range(1, 6):
+        link_checkpoint(_save(tmp_path, step, keep=2), keep=2)
+    waiting = sorted(p.name for p in tmp_path.glob(".mlflow-*"))
+    assert waiting == [".mlflow-step-00000004", ".mlflow-step-00000005"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000005", "step-00000004"]
+
+
 def test_tracker_links_the_checkpoint_and_ships_it_once(tmp_path) -> None:
     from training.mlops.tracking import _ship, link_checkpoint
 

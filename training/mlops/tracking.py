@@ -127,8 +127,11 @@ class MlflowTracker:
     are skipped: one value per metric and step. A file lock keeps one shipper per job.
     """
 
-    def __init__(self, tracking_uri: str, run_id: str, journal: Path) -> None:
+    def __init__(
+        self, tracking_uri: str, run_id: str, journal: Path, keep_pending: int = 3
+    ) -> None:
         journal.parent.mkdir(parents=True, exist_ok=True)
+        self._keep_pending = keep_pending  # checkpoint copies waiting to ship
         self._journal = journal.open("a", encoding="utf-8")
         # A clean interpreter: nothing of the rank's CUDA or communication state.
         context = multiprocessing.get_context("spawn")
@@ -167,7 +170,7 @@ class MlflowTracker:
         hidden sibling folder keep them for the helper even if a later save prunes the
         checkpoint first.
         """
-        pending = link_checkpoint(path)
+        pending = link_checkpoint(path, self._keep_pending)
         self._append(
             {
                 "kind": "checkpoint",
@@ -190,15 +193,22 @@ class MlflowTracker:
             )
 
 
-def link_checkpoint(path: Path) -> Path:
+def link_checkpoint(path: Path, keep: int = 3) -> Path:
     """Hard-link the files of checkpoint folder `path` into `.mlflow-<name>/` beside it
-    (same file system, no copy); the shipper logs that folder and then removes it."""
+    (same file system, no copy); the shipper logs that folder and then removes it.
+
+    While the tracking server is down nothing ships, and the links would keep every
+    pruned checkpoint's bytes on disk: only the newest `keep` pending folders stay (the
+    shipper skips a record whose folder is gone; the run's metrics are all kept)."""
     pending = path.with_name(f".mlflow-{path.name}")
     shutil.rmtree(pending, ignore_errors=True)
     pending.mkdir()
     for file in path.iterdir():
         if file.is_file():
             os.link(file, pending / file.name)
+    waiting = sorted(path.parent.glob(".mlflow-step-*"))  # zero-padded: oldest first
+    for old in waiting[: max(0, len(waiting) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)
     return pending
 
 
@@ -295,6 +305,7 @@ class MlflowSink:
 
     tracking_uri: str
     run_id: str
+    keep_pending: int = 3  # checkpoint copies waiting to ship (runtime.keep_checkpoints)
 
     def open(self, journal: Path) -> MlflowTracker:
-        return MlflowTracker(self.tracking_uri, self.run_id, journal)
+        return MlflowTracker(self.tracking_uri, self.run_id, journal, self.keep_pending)
