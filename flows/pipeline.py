@@ -16,6 +16,7 @@ from prefect.states import Completed
 
 from flows.train_pool import check_train_pool, train_on_pool
 from tasks.dvc_stages import push_data, run_stage, stale_stages
+from tasks.notify import notify_champion, notify_failure
 from tasks.quota import check_quota, device_slots
 from tasks.registry import (
     RunSummary,
@@ -25,6 +26,7 @@ from tasks.registry import (
     register_model,
 )
 from training.config import Config, load_config, write_overrides
+from training.errors import GradlineError
 from training.lock import project_lock
 from training.project import Project, find_project_root
 
@@ -87,6 +89,19 @@ def _run_steps(root: str, overrides: list[str], force: bool) -> RunSummary:
         summary = register_model(root, cfg)
     except Exception as exc:
         publish_failure(step, exc)
+        if notify := _notify_target(root):
+            notify_failure(notify, root, step, exc)
         raise
     publish_summary(summary)
+    if cfg.orchestrate.notify and "champion" in summary.alias.split(","):
+        notify_champion(cfg.orchestrate.notify, root, summary)
     return summary
+
+
+def _notify_target(root: str) -> str:
+    """orchestrate.notify as params.yaml holds it (with the run's overrides once they are
+    written); empty when even params.yaml cannot be read: nowhere to send to."""
+    try:
+        return Project(Path(root)).config().orchestrate.notify
+    except GradlineError:
+        return ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -93,3 +94,36 @@ def http_status(port: int, path: str, auth: tuple[str, str] | None = None, host:
         return conn.getresponse().status
     finally:
         conn.close()
+
+
+class WebhookReceiver:
+    """A webhook on 127.0.0.1 that keeps the JSON bodies POSTed to it, answering
+    `status` (200 unless a test wants a failing webhook)."""
+
+    def __init__(self, status: int = 200) -> None:
+        import http.server
+        import threading
+
+        bodies = self.bodies = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", 0))
+                bodies.append(json.loads(self.rfile.read(length)))
+                self.send_response(status)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> WebhookReceiver:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()

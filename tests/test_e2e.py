@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import copy_project
+from .conftest import WebhookReceiver, copy_project
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -24,10 +24,22 @@ def first_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, str]
     """One project that has run the pipeline once: (root, the CLI's output, run id).
     Tests that use it stand alone: none needs another test to have run first."""
     project = copy_project(tmp_path_factory.mktemp("clone") / "gradline")
-    proc = _gradline(project, "run", *SMALL)
+    with WebhookReceiver() as hook:  # the team's alert channel hears of the first champion
+        notify = ["--set", "orchestrate.notify=env:TEAM_WEBHOOK"]
+        proc = _gradline(project, "run", *SMALL, *notify, env={"TEAM_WEBHOOK": hook.url})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_id = json.loads((project / "result.json").read_text())["run_id"]
+    _assert_alerted_iff_champion(hook, "-> alias 'champion'" in proc.stdout, 1, run_id)
     return project, proc, run_id
+
+
+def _assert_alerted_iff_champion(hook, champion: bool, version: int, run_id: str) -> None:
+    """One alert exactly when the run's version was crowned; none for a challenger."""
+    assert len(hook.bodies) == int(champion), hook.bodies
+    if champion:
+        (alert,) = hook.bodies
+        assert alert["text"].startswith(f":trophy: new champion: gradline-digits v{version}")
+        assert run_id in alert["blocks"][1]["text"]["text"] and "test_accuracy=" in str(alert)
 
 
 def _env(root: Path) -> dict[str, str]:
@@ -37,14 +49,23 @@ def _env(root: Path) -> dict[str, str]:
     return env
 
 
-def _run(root: Path, *cmd: str, timeout: int = 400) -> subprocess.CompletedProcess:
+def _run(
+    root: Path, *cmd: str, timeout: int = 400, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        cmd, cwd=root, env=_env(root), capture_output=True, text=True, timeout=timeout
+        cmd,
+        cwd=root,
+        env={**_env(root), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
-def _gradline(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return _run(root, str(Path(sys.executable).parent / "gradline"), *args)
+def _gradline(
+    root: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return _run(root, str(Path(sys.executable).parent / "gradline"), *args, env=env)
 
 
 def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -153,7 +174,11 @@ def test_second_run_adds_a_version_and_gates_the_champion(first_run) -> None:
     import numpy as np
 
     project, _, first_id = first_run
-    proc = _gradline(project, "run", "--set", "train.seed=1", "--set", "parallel.dp_shard=2")
+    with WebhookReceiver() as hook:
+        proc = _gradline(
+            project, "run", "--set", "train.seed=1", "--set", "parallel.dp_shard=2",
+            env={"TEAM_WEBHOOK": hook.url},
+        )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     second_id = json.loads((project / "result.json").read_text())["run_id"]
     client = _client(project)
@@ -168,6 +193,7 @@ def test_second_run_adds_a_version_and_gates_the_champion(first_run) -> None:
     old_champion = old["test_accuracy"] > old["baseline_test_accuracy"]
     wins = beats_baseline and (not old_champion or new["test_accuracy"] > old["test_accuracy"])
     assert ("champion" in second.aliases) == wins
+    _assert_alerted_iff_champion(hook, wins, versions[second_id], second_id)
     assert f"test_accuracy {new['test_accuracy']:.4f}" in second.description
     assert "up to date" in _dvc(project, "status").stdout
     tags = client.get_run(second_id).data.tags

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
-from .conftest import REPO, copy_project
+from .conftest import REPO, WebhookReceiver, copy_project
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -340,9 +340,17 @@ def test_bad_data_fails_at_once_with_the_cause(server, tmp_path) -> None:
         **{"data.source": "csv", "data.key_column": "key", "data.num_classes": 5},
     )
     _write_digits_csv(root / "data" / "incoming" / "part-1.csv", slice(0, 300))
-    proc = _gradline(root, server, "run")
+    with WebhookReceiver() as hook:  # the team's alert channel
+        proc = _gradline(
+            root, server, "run", "--set", "orchestrate.notify=env:TEAM_WEBHOOK",
+            TEAM_WEBHOOK=hook.url,
+        )  # fmt: skip
     assert proc.returncode != 0
     assert "label" in proc.stderr
+    (alert,) = hook.bodies  # one alert for one failed run
+    assert alert["text"].startswith(":x: gradline run failed in `ingest`")
+    details = alert["blocks"][1]["text"]["text"]
+    assert "DataError" in details and "flow-run/" in details
     flow_run_id = next(
         line.split("flow-run/")[1].split()[0]
         for line in (proc.stdout + proc.stderr).splitlines()

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from training.options import Section
 
+_NOTIFY = re.compile(r"env:[A-Za-z_][A-Za-z0-9_]*|block:[a-z0-9][a-z0-9-]*")
 _MODEL_NAME = re.compile(r"[^\W_][\w .-]*")
 
 
@@ -299,3 +300,23 @@ class OrchestrateConfig(Section):
         "http://127.0.0.1:5000",
         description="MLflow UI for links when the tracking store is local (`gradline ui`)",
     )
+    notify: str = Field(
+        "",
+        description="where the alert webhook's URL is kept: env:NAME (an environment "
+        "variable) or block:NAME (a Prefect Secret block); empty: no alerts",
+    )
+
+    @field_validator("notify")
+    @classmethod
+    def _a_place_not_a_url(cls, notify: str) -> str:
+        if notify and not _NOTIFY.fullmatch(notify):
+            hint = (
+                "params.yaml is committed, and a webhook URL is a credential: put it in an "
+                "environment variable and give env:NAME, or in a Prefect Secret block and "
+                "give block:NAME"
+                if "://" in notify
+                else "give env:NAME (an environment variable holding the webhook URL) or "
+                "block:NAME (a Prefect Secret block holding it)"
+            )
+            raise ValueError(f"{notify!r} is not where a webhook URL is kept: {hint}")
+        return notify
