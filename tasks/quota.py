@@ -16,15 +16,21 @@ from collections.abc import Iterator
 from prefect import get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.runtime import flow_run
 
 from training.config import Config
-from training.errors import ConfigError
+from training.errors import ConfigError, GradlineError
 
 
 class QuotaTooSmall(ConfigError):
     """The job needs more devices than the quota will ever grant."""
+
+
+class QuotaWaitExpired(GradlineError):
+    """The device slots did not come free within orchestrate.quota_wait_s."""
 
 
 def devices_here() -> int:
@@ -73,6 +79,25 @@ def device_slots(cfg: Config) -> Iterator[int]:
     # A lease that cannot be renewed (the server restarted) must not kill a training
     # job that already holds its devices: the job goes on and the slots are released
     # when it ends.
-    with concurrency(name, occupy=needed, strict=True, raise_on_lease_renewal_failure=False):
-        logger.info("holding %d slots of device quota %r", needed, name)
-        yield needed
+    # The lease names this flow run as the holder, and it lapses when the holder stops
+    # renewing it (the process died): a killed run's slots come back on their own.
+    holder = ConcurrencyLeaseHolder(type="flow_run", id=flow_run.id) if flow_run.id else None
+    try:
+        with concurrency(
+            name,
+            occupy=needed,
+            timeout_seconds=cfg.orchestrate.quota_wait_s,
+            strict=True,
+            holder=holder,
+            raise_on_lease_renewal_failure=False,
+        ):
+            logger.info("holding %d slots of device quota %r", needed, name)
+            yield needed
+    except TimeoutError as exc:
+        raise QuotaWaitExpired(
+            f"waited {cfg.orchestrate.quota_wait_s:g} s for {needed} of the {size} slots of "
+            f"device quota {name!r}: other training runs hold them, or a run that was "
+            f"killed left them taken. See `prefect global-concurrency-limit inspect {name}`; "
+            "when no training runs, free them with `prefect global-concurrency-limit "
+            f"update {name} --active-slots 0`; or wait longer (orchestrate.quota_wait_s)"
+        ) from exc

@@ -362,6 +362,29 @@ def test_bad_data_fails_at_once_with_the_cause(server, tmp_path) -> None:
     assert "DataError" in _summary_markdown(server, flow_run_id)
 
 
+def test_a_run_waiting_for_taken_slots_gives_up_naming_the_quota(server, tmp_path) -> None:
+    # Every slot taken (by a run elsewhere, or leaked by one that was killed): the run
+    # says what it waits for and gives up after orchestrate.quota_wait_s.
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    limit = "gradline-taken-devices"
+    with _client(server) as client:
+        client.create_global_concurrency_limit(
+            GlobalConcurrencyLimitCreate(name=limit, limit=1, active_slots=1)
+        )
+    root = _project(
+        tmp_path / "gradline",
+        **{"orchestrate.device_limit": limit, "orchestrate.quota_wait_s": 3, "data.max_rows": 300},
+    )
+    proc = _gradline(root, server, "run")
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "waiting for 1 of 1 slots of device quota 'gradline-taken-devices'" in output
+    assert "waited 3 s for 1 of the 1 slots of device quota 'gradline-taken-devices'" in output
+    assert "--active-slots 0" in output
+    assert not (root / "model").exists()  # it never trained
+
+
 @pytest.fixture(scope="module")
 def quota_projects(server, tmp_path_factory):
     """Two projects whose flows start together under a device quota of one slot."""

@@ -286,6 +286,12 @@ class OrchestrateConfig(Section):
         ge=0,
         description="slots the limit gets when gradline creates it (0: GPUs here, else CPUs)",
     )
+    quota_wait_s: float = Field(
+        3600.0,
+        gt=0,
+        description="how long a run waits for its device slots before it gives up, naming "
+        "the quota (a run holding them, or slots a killed run leaked)",
+    )
     stage_retries: int = Field(2, ge=0, description="retries of a stage that crashed")
     preemption_retries: int = Field(
         10, ge=0, description="retries of a stage stopped by a preemption (exit 75)"
