@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from flows.environment import apply_offline_defaults
+from flows.supervise import SUPERVISED_ENV, supervise
 from training.errors import ERROR_FILE_ENV, GradlineError, as_user_error
 from training.lock import project_lock
 
@@ -398,9 +399,15 @@ def launch_overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
+# Commands whose work runs under a supervisor, so that a signal reaches their whole tree.
+SUPERVISED_COMMANDS = ("run", "compare-updates")
+
+
 def main(argv: list[str] | None = None) -> int:
     apply_offline_defaults()
     args = build_parser().parse_args(argv)
+    if args.command in SUPERVISED_COMMANDS and not os.environ.get(SUPERVISED_ENV):
+        return supervise(sys.argv[1:] if argv is None else argv, _stop_grace_s())
     try:
         return args.func(args)
     except BrokenPipeError:  # `gradline lineage ... | head`: the reader has had enough
@@ -413,6 +420,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gradline: error: {error}", file=sys.stderr)
         _record_error(error)
         return error.exit_code
+
+
+def _stop_grace_s() -> float:
+    """orchestrate.stop_grace_s of this project (the default where params are invalid:
+    the command itself will say what is wrong)."""
+    from training.config.sections import OrchestrateConfig
+    from training.project import Project, find_project_root
+
+    try:
+        return Project(find_project_root()).config().orchestrate.stop_grace_s
+    except GradlineError:
+        return OrchestrateConfig().stop_grace_s
 
 
 def _record_error(exc: GradlineError) -> None:

@@ -12,7 +12,8 @@ import contextlib
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
-from prefect.states import Completed
+from prefect.exceptions import TerminationSignal
+from prefect.states import Cancelled, Completed
 
 from flows.train_pool import check_train_pool, train_on_pool
 from tasks.dvc_stages import push_data, run_stage, stale_stages
@@ -55,9 +56,16 @@ def pipeline(
     force: run every stage even when data, params and code are unchanged.
     """
     root = str(Path(root).resolve()) if root else str(find_project_root())
-    # One writer per project: a second run (a deployment's, a terminal's) waits here.
-    with project_lock(Path(root), say=get_run_logger().info):
-        return _run_steps(root, list(overrides or []), force)
+    try:
+        # One writer per project: a second run (a deployment's, a terminal's) waits here.
+        with project_lock(Path(root), say=get_run_logger().info):
+            return _run_steps(root, list(overrides or []), force)
+    except (TerminationSignal, KeyboardInterrupt) as stop:
+        # A signal or a cancel from Prefect: the running stage was stopped with it
+        # (training saved a checkpoint), so this run is cancelled, not crashed.
+        message = f"stopped ({type(stop).__name__}); run again to resume where it stopped"
+        get_run_logger().warning(message)
+        return Cancelled(message=message)
 
 
 def _run_steps(root: str, overrides: list[str], force: bool) -> RunSummary:

@@ -11,16 +11,19 @@ output is read (`status --json`, a `pull`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 from prefect import get_run_logger, task
 from prefect.runtime import flow_run
@@ -116,14 +119,64 @@ def run_dvc(
             bufsize=1,
         ) as proc:
             assert proc.stdout is not None
-            for raw in proc.stdout:
-                line = raw.rstrip()
-                tail.append(line)
-                if line and not any(h in line for h in _HINTS):
-                    echo(line)
+            try:
+                _stream(proc.stdout, tail, echo)
+            except BaseException:  # a stop (a signal, a cancel): the stage tree goes too
+                stop_stage(proc, tail, echo)
+                raise
         if proc.returncode != 0:
             raise _stage_failure(args, proc.returncode, record_file, "\n".join(tail))
     return "\n".join(tail)
+
+
+def _stream(stdout, tail: deque[str], echo: Callable[[str], None]) -> None:
+    for raw in stdout:
+        line = raw.rstrip()
+        tail.append(line)
+        if line and not any(h in line for h in _HINTS):
+            echo(line)
+
+
+def stop_stage(
+    proc: subprocess.Popen, tail: deque[str], echo: Callable[[str], None], grace_s: float = 90
+) -> None:
+    """Stop a running `dvc repro` and everything under it within `grace_s`.
+
+    Its `gradline stage` process gets SIGTERM: training takes its exit-75 path
+    (checkpoint, then exit) and the other stages end at once. Their output keeps
+    streaming meanwhile (a full pipe would block them); after `grace_s`, or when dvc has
+    ended, whatever is left of the tree is killed.
+    """
+    try:
+        dvc = psutil.Process(proc.pid)
+        tree = [dvc, *dvc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    stages = [p for p in tree if _is_stage(p)]
+    for target in stages or tree[:1]:  # no stage started yet: stop dvc itself
+        with contextlib.suppress(psutil.Error):
+            target.terminate()
+    deadline = threading.Timer(grace_s, _kill, (tree,))
+    deadline.start()
+    try:
+        _stream(proc.stdout, tail, echo)
+        proc.wait()
+    finally:
+        deadline.cancel()
+        _kill(tree)
+
+
+def _is_stage(process: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        cmdline = process.cmdline()
+        return "stage" in cmdline and any(Path(a).name == "gradline" for a in cmdline)
+    return False
+
+
+def _kill(processes: list[psutil.Process]) -> None:
+    for process in processes:
+        with contextlib.suppress(psutil.Error):  # psutil refuses a pid reused since
+            process.kill()
 
 
 class RetryBudget:

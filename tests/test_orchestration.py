@@ -489,3 +489,63 @@ def test_preemptions_spend_their_own_retry_budget(server, quota_projects) -> Non
     assert f"MLflow run {run_id} (resumed)" in proc.stdout + proc.stderr
     steps = sorted(m.step for m in _mlflow(root).get_metric_history(run_id, "train_loss"))
     assert steps == list(range(1, steps[-1] + 1))  # one value per step, no gap
+
+
+def _processes_marked(mark: str) -> list[int]:
+    """Live processes whose environment carries `mark`: everything a command started,
+    orphans included."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if f"GRADLINE_TEST_MARK={mark}".encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+@pytest.mark.parametrize("how", ["ctrl-c to the terminal's group", "SIGTERM to gradline"])
+def test_a_signal_stops_the_whole_tree_and_the_next_run_resumes(server, tmp_path, how) -> None:
+    root = _project(tmp_path / "gradline", **{"data.max_rows": 600})
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    slow = "slow:rank=0:step=0:seconds=0.2"  # training long enough to be stopped midway
+    log = (tmp_path / "run.log").open("w")
+    proc = subprocess.Popen(
+        [str(BIN / "gradline"), "run"],
+        cwd=root,
+        env=_env(root, server, GRADLINE_FAULT=slow, GRADLINE_TEST_MARK=mark),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, as a terminal gives a command
+    )
+    first = root / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not list(first.glob("*/step-*[0-9]")):  # training is under way
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            tmp_path / "run.log"
+        ).read_text()
+        time.sleep(0.5)
+    stopped_at = time.monotonic()
+    if how.startswith("ctrl-c"):
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=200)
+    took = time.monotonic() - stopped_at
+    print(f"{how}: the whole tree stopped in {took:.1f} s")
+    output = (tmp_path / "run.log").read_text()
+    assert code == 128 + (signal.SIGINT if how.startswith("ctrl-c") else signal.SIGTERM), output
+    assert took < 120, output
+    assert _processes_marked(mark) == [], output  # nothing it started is left
+    assert "stopped on request at step" in output  # training checkpointed first
+    stopped_step = int(output.split("stopped on request at step ")[1].split(";")[0])
+    flow_run_id = output.split("flow-run/")[1].split()[0]
+    (flow_run,) = _filter(server, "flow_runs", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+    assert flow_run["state"]["type"] == "CANCELLED", flow_run["state"]
+    if how.startswith("ctrl-c"):
+        return
+    done = _gradline(root, server, "run")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"at step {stopped_step}" in done.stdout + done.stderr  # resumed where it stopped

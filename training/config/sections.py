@@ -292,6 +292,12 @@ class OrchestrateConfig(Section):
         description="how long a run waits for its device slots before it gives up, naming "
         "the quota (a run holding them, or slots a killed run leaked)",
     )
+    stop_grace_s: float = Field(
+        120.0,
+        gt=0,
+        description="after Ctrl-C or SIGTERM, how long `gradline run` waits for the run to "
+        "stop (training checkpoints first) before it kills what is left",
+    )
     stage_retries: int = Field(2, ge=0, description="retries of a stage that crashed")
     preemption_retries: int = Field(
         10, ge=0, description="retries of a stage stopped by a preemption (exit 75)"
