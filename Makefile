@@ -8,7 +8,7 @@ TORCH := torch==2.13.0
 export DO_NOT_TRACK := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint format clean
+.PHONY: run test test-fast lint format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test: $(VENV)/.installed-dev
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q --durations=15
+
+# The fast tier: unit tests only (no worker processes, no CLI end to end), ~2 minutes.
+test-fast: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q -m "not multiprocess and not e2e"
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check --fix .
