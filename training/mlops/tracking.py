@@ -260,8 +260,43 @@ def _ship(mlflow_client, run_id: str, records: list[dict], logged_until: dict[st
         mlflow_client.log_batch(run_id, tags=tags)
 
 
+def _ship_through_outages(
+    mlflow_client, run_id: str, records: list[dict], logged_until: dict[str, int]
+) -> None:
+    """`_ship`, waiting out a tracking server that is down, restarting or failing (5xx):
+    training never waits for it (the journal holds the records), and once it answers
+    again each value lands once: what landed before the error is read back from the
+    server instead of being trusted from memory."""
+    from mlflow.exceptions import MlflowException  # mlflow is optional: see the docstring
+
+    delay = 1.0
+    while True:
+        try:
+            _ship(mlflow_client, run_id, records, logged_until)
+            return
+        except MlflowException as exc:
+            if not str(exc).startswith("API request to"):  # a transport failure, not a refusal
+                raise
+            logged_until.clear()
+            log.warning(
+                "MLflow tracking server unreachable (%s); the journal keeps the records and "
+                "they ship when it is back (next try in %.0f s); training goes on",
+                str(exc).splitlines()[0][:300],
+                delay,
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, _OUTAGE_RETRY_MAX_S)
+
+
+_OUTAGE_RETRY_MAX_S = 30.0
+
+
 def _tracking_process(tracking_uri: str, run_id: str, journal: str, writer_pid: int) -> None:
     """Ship the journal to MLflow until its writer says `end` or dies."""
+    # Fail fast per request and let `_ship_through_outages` say what it waits for,
+    # instead of MLflow's own minutes of silent retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     with open(journal + ".lock", "w") as lock:
         # One shipper per job: a helper left over from a killed attempt finishes first.
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -277,7 +312,7 @@ def _tracking_process(tracking_uri: str, run_id: str, journal: str, writer_pid: 
             records = [json.loads(line) for line in complete.splitlines() if line]
             done = any(r["kind"] == "end" and r["writer"] == writer_pid for r in records)
             if records:
-                _ship(mlflow_client, run_id, records, logged_until)
+                _ship_through_outages(mlflow_client, run_id, records, logged_until)
             elif not _alive(writer_pid):
                 return  # the writer was killed: all it wrote is shipped
             else:
