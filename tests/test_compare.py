@@ -148,6 +148,7 @@ def test_compare_updates_trains_children_under_one_parent(tmp_path, monkeypatch,
 
     from flows.cli import main
     from flows.environment import OFFLINE_DEFAULTS
+    from flows.supervise import SUPERVISED_ENV
 
     project = copy_project(tmp_path / "gradline")
     update_params_file(project / "params.yaml", {"data": {"max_rows": 300}})
@@ -156,9 +157,11 @@ def test_compare_updates_trains_children_under_one_parent(tmp_path, monkeypatch,
     for key, value in OFFLINE_DEFAULTS.items():
         monkeypatch.setenv(key, os.environ.get(key, value))
     monkeypatch.chdir(project)
+    monkeypatch.setenv(SUPERVISED_ENV, "1")  # the command itself, not its supervisor
     assert main(["compare-updates", "--rules", "sync", "--slow-rank", "2"]) == 2
     assert "gradline: error: --slow-rank 2: ranks are 0..1" in capsys.readouterr().err
     assert not (project / "data" / "shards").exists()  # refused before the data stages
+    monkeypatch.delenv(SUPERVISED_ENV)  # the real command next: under its supervisor
 
     sets = [f"--set={o}" for o in TINY]
     args = ["--rules", "sync,local_sgd", "--slow-rank", "1", "--slow-factor", "2", *sets]

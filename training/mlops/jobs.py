@@ -87,7 +87,7 @@ def run_job(request: JobRequest, control: Control | None = None) -> JobOutcome:
     )
     tracking: TrackerFactory | None = None
     if job.run_id is not None:
-        tracking = MlflowSink(request.tracking_uri, job.run_id, cfg.runtime.keep_checkpoints)
+        tracking = MlflowSink(request.tracking_uri, job.run_id)
     train_job = TrainJob(
         config=cfg.model_dump(),
         shard_dir=str(request.shards),

@@ -32,6 +32,9 @@ TAG_TEST_DIGEST = "gradline.test_digest"
 TAG_GIT_COMMIT = "mlflow.source.git.commit"
 TAG_GIT_DIRTY = "gradline.git_dirty"
 FLOW_RUN_ENV = "GRADLINE_PREFECT_FLOW_RUN_ID"
+# Checkpoint copies waiting to ship: enough for a helper that lags behind a busy host,
+# bounded for a tracking server that stays down (each holds a pruned checkpoint's bytes).
+PENDING_CHECKPOINTS = 10
 
 
 def redact_uri(uri: str) -> str:
@@ -128,7 +131,11 @@ class MlflowTracker:
     """
 
     def __init__(
-        self, tracking_uri: str, run_id: str, journal: Path, keep_pending: int = 3
+        self,
+        tracking_uri: str,
+        run_id: str,
+        journal: Path,
+        keep_pending: int = PENDING_CHECKPOINTS,
     ) -> None:
         journal.parent.mkdir(parents=True, exist_ok=True)
         self._keep_pending = keep_pending  # checkpoint copies waiting to ship
@@ -193,7 +200,7 @@ class MlflowTracker:
             )
 
 
-def link_checkpoint(path: Path, keep: int = 3) -> Path:
+def link_checkpoint(path: Path, keep: int = PENDING_CHECKPOINTS) -> Path:
     """Hard-link the files of checkpoint folder `path` into `.mlflow-<name>/` beside it
     (same file system, no copy); the shipper logs that folder and then removes it.
 
@@ -340,7 +347,7 @@ class MlflowSink:
 
     tracking_uri: str
     run_id: str
-    keep_pending: int = 3  # checkpoint copies waiting to ship (runtime.keep_checkpoints)
+    keep_pending: int = PENDING_CHECKPOINTS  # checkpoint copies waiting to ship
 
     def open(self, journal: Path) -> MlflowTracker:
         return MlflowTracker(self.tracking_uri, self.run_id, journal, self.keep_pending)
