@@ -199,14 +199,14 @@ def table_files(cfg: DataConfig, root: Path) -> list[Path]:
 
 
 def _parquet_chunks(path: Path, shown: str, cfg: DataConfig) -> Iterator[SourceChunk]:
-
     try:
         reader = pq.ParquetFile(path)
         first = 0
         for batch in reader.iter_batches(batch_size=cfg.read_batch_rows):
             yield SourceChunk(shown, first, pa.Table.from_batches([batch]))
             first += batch.num_rows
-    except (pa.ArrowException, OSError) as exc:
+    # A corrupt footer can also name a column in bytes that are not UTF-8.
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
         raise DataError(
             f"{shown}: not a readable Parquet file, truncated or corrupt ({exc}). "
             "Export it again, or remove it from data.path"
