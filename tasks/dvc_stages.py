@@ -191,13 +191,23 @@ class RetryBudget:
     def most(self) -> int:
         return sum(self.left.values())
 
-    def allows(self, task, task_run, state) -> bool:
-        """Prefect's retry condition: spend one retry of the failure's kind, if any left."""
+    def spend(self, state) -> bool:
+        """Spend one retry of the failed state's kind, if any is left."""
         kind = failure_kind(state.result(raise_on_failure=False))
         if kind is None or self.left[kind] == 0:
             return False
         self.left[kind] -= 1
         return True
+
+    @property
+    def condition(self):
+        """Prefect's retry condition. A plain function: Prefect treats any other callable
+        (a bound method too) as "never retry"."""
+
+        def retry_if_budget_left(task, task_run, state) -> bool:
+            return self.spend(state)
+
+        return retry_if_budget_left
 
 
 def failure_kind(exc: BaseException) -> str | None:
@@ -228,7 +238,7 @@ def run_stage(cfg: Config, root: str, name: str, force: bool, record_as: str = "
         task_run_name=name,
         retries=budget.most,
         retry_delay_seconds=cfg.orchestrate.retry_delay_s,
-        retry_condition_fn=budget.allows,
+        retry_condition_fn=budget.condition,
     )
     return stage(root, name, force, record_as)
 

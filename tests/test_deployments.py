@@ -4,6 +4,7 @@ references, the retry contract, progress reporting, one-shot faults."""
 from __future__ import annotations
 
 import errno
+import inspect
 import logging
 import shutil
 from pathlib import Path
@@ -102,15 +103,17 @@ def test_preemptions_and_crashes_spend_separate_budgets_and_lasting_failures_non
     preempted = failed_with(StageFailed("stopped", PREEMPTED_EXIT_CODE, retryable=True))
     budget = RetryBudget(crashes=2, preemptions=3)
     assert budget.most == 5
+    allows = budget.condition
+    assert inspect.isfunction(allows)  # Prefect calls nothing else: a method never retries
     # A night of spot reclaims does not use up the crash budget, nor the reverse.
-    assert [budget.allows(None, None, preempted) for _ in range(4)] == [True] * 3 + [False]
-    assert [budget.allows(None, None, crash) for _ in range(3)] == [True, True, False]
+    assert [allows(None, None, preempted) for _ in range(4)] == [True] * 3 + [False]
+    assert [allows(None, None, crash) for _ in range(3)] == [True, True, False]
     fresh = RetryBudget(crashes=2, preemptions=10)
     bad_data = StageFailed("label 12 outside 0..9", USER_ERROR_EXIT_CODE, retryable=False)
     full = OSError(errno.ENOSPC, "No space left on device", "checkpoints/step-8")
     for lasting in (bad_data, ConfigError("bad"), full, DiskFull("full")):
-        assert not fresh.allows(None, None, failed_with(lasting)), lasting
-    assert fresh.allows(None, None, failed_with(OSError("disk hiccup")))
+        assert not fresh.condition(None, None, failed_with(lasting)), lasting
+    assert fresh.condition(None, None, failed_with(OSError("disk hiccup")))
     assert fresh.left == {"crash": 1, "preemption": 10}
 
 
