@@ -473,7 +473,7 @@ def test_preemptions_spend_their_own_retry_budget(server, quota_projects) -> Non
     # Three spot reclaims in one night with no crash retries left: the preemption budget
     # (not stage_retries) carries the run through, resuming each time where it stopped.
     root = quota_projects[1]
-    notices = ";".join(f"term:rank=0:step={step}:once=1" for step in (6, 12, 18))
+    notices = ";".join(f"term:rank=0:step={step}:once=1" for step in (5, 15, 25))
     proc = _gradline(
         root,
         server,
@@ -481,6 +481,8 @@ def test_preemptions_spend_their_own_retry_budget(server, quota_projects) -> Non
         "--force",
         *("--set", "orchestrate.stage_retries=0", "--set", "orchestrate.preemption_retries=3"),
         *("--set", "orchestrate.retry_delay_s=0"),
+        # Stop requests are read every step: each notice ends its own launch.
+        *("--set", "runtime.control_every_steps=1"),
         GRADLINE_FAULT=notices,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
