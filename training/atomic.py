@@ -118,7 +118,7 @@ def recover_swap(target: Path) -> str | None:
             fsync_dir(target.parent)
             outcome = "rolled back"
     for staging in target.parent.glob(f".{glob.escape(target.name)}.staging-*"):
-        if not _pid_alive(_staging_pid(staging)):
+        if not pid_alive(_staging_pid(staging)):
             shutil.rmtree(staging, ignore_errors=True)
     return outcome
 
@@ -128,7 +128,8 @@ def _staging_pid(staging: Path) -> int:
     return int(pid) if pid.isdigit() else 0
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (someone else's counts)."""
     if pid <= 0:
         return False
     try:

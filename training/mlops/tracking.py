@@ -21,6 +21,7 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
+from training.atomic import pid_alive
 from training.errors import TrackingError
 
 log = logging.getLogger(__name__)
@@ -320,20 +321,10 @@ def _tracking_process(tracking_uri: str, run_id: str, journal: str, writer_pid: 
             done = any(r["kind"] == "end" and r["writer"] == writer_pid for r in records)
             if records:
                 _ship_through_outages(mlflow_client, run_id, records, logged_until)
-            elif not _alive(writer_pid):
+            elif not pid_alive(writer_pid):
                 return  # the writer was killed: all it wrote is shipped
             else:
                 time.sleep(0.5)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _now_ms() -> int:
