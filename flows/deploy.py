@@ -23,6 +23,7 @@ from prefect.utilities.callables import parameter_schema
 from flows import train_pool
 from flows.pipeline import pipeline
 from flows.train_pool import deployment_name, train_stage
+from tasks.watchdog import ensure_stale_alert, ensure_watchdogs
 from training.config import load_config, read_yaml_mapping
 from training.errors import ConfigError
 from training.project import Project
@@ -140,7 +141,24 @@ def serve_deployments(root: Path, names: list[str]) -> None:
         )
         for spec in specs
     ]
+    _register_watchdogs(root, deployments)
     serve(*deployments, limit=1)
+
+
+def _register_watchdogs(root: Path, deployments: list) -> None:
+    """Zombie runs marked Crashed; with alerts on, crashes and stale schedules sent."""
+    orchestrate = Project(root).config().orchestrate
+    ensure_watchdogs(orchestrate.notify)
+    if not orchestrate.notify:
+        return
+    for deployment in deployments:
+        if deployment.schedules:  # apply() now, for the id; serve() applies it again
+            ensure_stale_alert(
+                f"gradline/{deployment.name}",
+                deployment.apply(),
+                orchestrate.notify,
+                orchestrate.stale_after_h,
+            )
 
 
 def deploy_train(pool: str, project_dir: str, image: str | None = None) -> str:
@@ -167,6 +185,7 @@ def deploy_train(pool: str, project_dir: str, image: str | None = None) -> str:
                 f"`prefect work-pool create {pool} --type process`, or with "
                 "deploy/prefect/gpu-work-pool.json for Kubernetes (deploy/README.md)"
             ) from None
+        ensure_watchdogs()  # the pool's runs, too, are marked Crashed when they go silent
         client.create_deployment(
             flow_id=client.create_flow(train_stage),
             name=pool,

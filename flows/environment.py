@@ -8,6 +8,8 @@ import urllib.parse
 
 from training.mlops.tracking import redact_uri
 
+LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"
+
 OFFLINE_DEFAULTS = {
     # Telemetry calls fail (and log errors) without network.
     "DO_NOT_TRACK": "1",
@@ -16,6 +18,16 @@ OFFLINE_DEFAULTS = {
     "DVC_NO_ANALYTICS": "1",
     # A fresh ephemeral Prefect API needs ~10 s on 2 cores; the default allows 20.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    # Leases on device slots kept on disk: they outlive a server restart and lapse when
+    # their holder stops renewing them, so no kill or restart leaves slots taken
+    # (tasks/leases.py).
+    "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": LEASES_ON_DISK,
+    # What the server's automations have seen is kept in its database, so an event after
+    # a restart (a dead run marked Crashed) is not held back waiting for one before it.
+    "PREFECT_SERVER_EVENTS_CAUSAL_ORDERING": "prefect.server.events.ordering.db",
+    # Flow runs tell the server they live (every 30 s, Prefect's minimum); silence marks
+    # them Crashed (tasks/watchdog.py).
+    "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
     # Tiny CPU workers share the cores; one intra-op thread each unless told otherwise.
     "OMP_NUM_THREADS": "1",
 }

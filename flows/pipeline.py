@@ -26,6 +26,7 @@ from tasks.registry import (
     publish_summary,
     register_model,
 )
+from tasks.watchdog import ensure_watchdogs
 from training.config import Config, load_config, write_overrides
 from training.errors import GradlineError
 from training.lock import project_lock
@@ -43,6 +44,8 @@ def apply_params(root: str, overrides: list[str]) -> Config:
         check_train_pool(cfg.orchestrate.train_pool)
     else:
         check_quota(cfg)
+    # The server marks this run Crashed if it dies without a word, and alerts on it.
+    ensure_watchdogs(cfg.orchestrate.notify)
     return write_overrides(params, overrides)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 
 from prefect import get_run_logger
@@ -21,6 +22,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.runtime import flow_run
 
+from tasks.leases import holders, reclaim_lapsed_slots
 from training.config import Config
 from training.errors import ConfigError, GradlineError
 
@@ -69,35 +71,78 @@ def check_quota(cfg: Config) -> int:
     return size
 
 
+# How often a waiting run looks again for slots of runs that died (their leases lapse).
+RECLAIM_EVERY_S = 15.0
+
+
 @contextlib.contextmanager
 def device_slots(cfg: Config) -> Iterator[int]:
     """Hold one slot per training worker for the duration of the block."""
+    needed = cfg.runtime.procs_per_node
+    with contextlib.ExitStack() as held:
+        _acquire(cfg, held)
+        get_run_logger().info(
+            "holding %d slots of device quota %r", needed, cfg.orchestrate.device_limit
+        )
+        yield needed
+
+
+def _acquire(cfg: Config, held: contextlib.ExitStack) -> None:
+    """Wait for the slots (up to orchestrate.quota_wait_s), giving back the slots of runs
+    that died on the way; the lease joins `held`, which releases it."""
     name, needed = cfg.orchestrate.device_limit, cfg.runtime.procs_per_node
     size = check_quota(cfg)
-    logger = get_run_logger()
-    logger.info("waiting for %d of %d slots of device quota %r", needed, size, name)
-    # A lease that cannot be renewed (the server restarted) must not kill a training
-    # job that already holds its devices: the job goes on and the slots are released
-    # when it ends.
-    # The lease names this flow run as the holder, and it lapses when the holder stops
-    # renewing it (the process died): a killed run's slots come back on their own.
+    # The lease names this flow run as its holder. It lapses when the holder stops
+    # renewing it (the process died): a killed run's slots come back on their own. A
+    # renewal that fails (the server restarting) must not kill a job that already
+    # holds its devices: the job goes on and its slots are released when it ends.
     holder = ConcurrencyLeaseHolder(type="flow_run", id=flow_run.id) if flow_run.id else None
-    try:
-        with concurrency(
-            name,
-            occupy=needed,
-            timeout_seconds=cfg.orchestrate.quota_wait_s,
-            strict=True,
-            holder=holder,
-            raise_on_lease_renewal_failure=False,
-        ):
-            logger.info("holding %d slots of device quota %r", needed, name)
-            yield needed
-    except TimeoutError as exc:
-        raise QuotaWaitExpired(
-            f"waited {cfg.orchestrate.quota_wait_s:g} s for {needed} of the {size} slots of "
-            f"device quota {name!r}: other training runs hold them, or a run that was "
-            f"killed left them taken. See `prefect global-concurrency-limit inspect {name}`; "
-            "when no training runs, free them with `prefect global-concurrency-limit "
-            f"update {name} --active-slots 0`; or wait longer (orchestrate.quota_wait_s)"
-        ) from exc
+    deadline = time.monotonic() + cfg.orchestrate.quota_wait_s
+    while True:
+        reclaim_lapsed_slots()
+        _say_who_holds(name, needed, size)
+        left = deadline - time.monotonic()
+        try:
+            held.enter_context(
+                concurrency(
+                    name,
+                    occupy=needed,
+                    timeout_seconds=max(0.1, min(left, RECLAIM_EVERY_S)),
+                    lease_duration=cfg.orchestrate.slot_lease_s,
+                    strict=True,
+                    holder=holder,
+                    raise_on_lease_renewal_failure=False,
+                )
+            )
+            return
+        except TimeoutError as exc:
+            if time.monotonic() >= deadline:
+                raise _wait_expired(cfg, size) from exc
+
+
+def _say_who_holds(name: str, needed: int, size: int) -> None:
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name(name)
+    if limit.limit - limit.active_slots >= needed:
+        return  # free: nothing to wait for
+    who = holders(limit.id)
+    get_run_logger().info(
+        "waiting for %d of %d slots of device quota %r: %d taken%s",
+        needed,
+        size,
+        name,
+        limit.active_slots,
+        f", by {', '.join(who)}" if who else "",
+    )
+
+
+def _wait_expired(cfg: Config, size: int) -> QuotaWaitExpired:
+    name, needed = cfg.orchestrate.device_limit, cfg.runtime.procs_per_node
+    return QuotaWaitExpired(
+        f"waited {cfg.orchestrate.quota_wait_s:g} s for {needed} of the {size} slots of "
+        f"device quota {name!r}: other training runs hold them (a killed run's come back "
+        f"{cfg.orchestrate.slot_lease_s:g} s after it died). See `prefect "
+        f"global-concurrency-limit inspect {name}`; if no training runs and they stay "
+        f"taken, free them with `prefect global-concurrency-limit update {name} "
+        "--active-slots 0`; or wait longer (orchestrate.quota_wait_s)"
+    )

@@ -292,6 +292,12 @@ class OrchestrateConfig(Section):
         description="how long a run waits for its device slots before it gives up, naming "
         "the quota (a run holding them, or slots a killed run leaked)",
     )
+    slot_lease_s: float = Field(
+        60.0,
+        ge=60.0,  # the Prefect server's minimum
+        description="how long the lease on a run's device slots lasts; the run renews it "
+        "while it lives, so a run that died gives its slots back at most this long after",
+    )
     stop_grace_s: float = Field(
         120.0,
         gt=0,
@@ -316,6 +322,13 @@ class OrchestrateConfig(Section):
         "",
         description="where the alert webhook's URL is kept: env:NAME (an environment "
         "variable) or block:NAME (a Prefect Secret block); empty: no alerts",
+    )
+
+    stale_after_h: float = Field(
+        48.0,
+        ge=0.003,
+        description="with alerts on, a served deployment with a schedule and no "
+        "successful run for this many hours is reported as stale",
     )
 
     @field_validator("notify")

@@ -1,0 +1,168 @@
+"""A run that dies without a word (SIGKILL of its whole tree, as when its machine is
+lost): its device slots come back though the Prefect server restarted meanwhile, the
+server marks its flow run Crashed, and the alert webhook hears of it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prefect.client.schemas.sorting import FlowRunSort
+
+from flows.environment import OFFLINE_DEFAULTS
+from tests.conftest import WebhookReceiver
+from tests.test_orchestration import BIN, _env, _free_port, _processes_marked, _project, _stop
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+class PrefectServer:
+    """`prefect server start` on 127.0.0.1 with gradline's settings (leases on disk), which
+    a test can stop and start again on the same port and database."""
+
+    def __init__(self, home: Path) -> None:
+        self.home, self.port = home, _free_port()
+        self.api = f"http://127.0.0.1:{self.port}/api"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env.update(OFFLINE_DEFAULTS, PREFECT_HOME=str(self.home))
+        cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1"]
+        with (self.home / "server.log").open("a") as log:
+            self.proc = subprocess.Popen(
+                [*cmd, "--port", str(self.port)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 120
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"prefect server did not start:\n{self.log()}")
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc, signal.SIGTERM)
+            self.proc = None
+
+    def log(self) -> str:
+        return (self.home / "server.log").read_text()
+
+    def client(self):
+        from prefect.client.orchestration import SyncPrefectClient
+
+        return SyncPrefectClient(api=self.api)
+
+
+def _wait_for(what: str, check, seconds: float, context=lambda: ""):
+    """Poll `check` until it returns something true; that value and the seconds taken."""
+    start = time.monotonic()
+    while not (value := check()):
+        if time.monotonic() - start > seconds:
+            pytest.fail(f"{what}: not within {seconds:g} s\n{context()[-6000:]}")
+        time.sleep(1)
+    return value, time.monotonic() - start
+
+
+def test_a_run_killed_without_a_word_frees_its_slots_is_crashed_and_alerts(tmp_path) -> None:
+    (home := tmp_path / "prefect-server").mkdir()
+    server = PrefectServer(home)
+    server.start()
+    limit, lease_s = "gradline-lease-devices", 60  # the server's shortest lease
+    root = _project(
+        tmp_path / "gradline",
+        **{
+            "data.max_rows": 600,
+            "orchestrate.device_limit": limit,
+            "orchestrate.device_slots": 1,
+            "orchestrate.notify": "env:TEAM_WEBHOOK",
+        },
+    )
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        with WebhookReceiver() as hook:
+            log_path = tmp_path / "run.log"
+            with log_path.open("w") as log:
+                run = subprocess.Popen(
+                    [str(BIN / "gradline"), "run"],
+                    cwd=root,
+                    env=_env(
+                        root,
+                        server.api,
+                        TEAM_WEBHOOK=hook.url,
+                        GRADLINE_TEST_MARK=mark,
+                        # Slow enough to be alive for two heartbeats (30 s apart).
+                        GRADLINE_FAULT="slow:rank=0:step=0:seconds=0.5",
+                    ),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            output = log_path.read_text
+
+            def holding() -> bool:
+                assert run.poll() is None, output()
+                return "holding 1 slots" in output()
+
+            _wait_for("the run holds its slot", holding, 300, output)
+            with server.client() as client:
+                (flow_run,) = client.read_flow_runs(limit=10, sort=FlowRunSort.START_TIME_DESC)
+                # Alive long enough for a heartbeat after the watchdogs were registered.
+                _wait_for("a heartbeat", lambda: _heartbeats(client, flow_run.id) >= 2, 120)
+            for pid in _processes_marked(mark):  # the machine is lost: all of it at once
+                os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            server.stop()  # and the server restarts meanwhile
+            server.start()
+            with server.client() as client:
+                assert client.read_flow_run(flow_run.id).state.type.value == "RUNNING"
+                _wait_for(
+                    "the leaked slot comes back",
+                    lambda: client.read_global_concurrency_limit_by_name(limit).active_slots == 0,
+                    lease_s + 60,
+                    server.log,
+                )
+                freed = time.monotonic() - killed_at
+                state = lambda: client.read_flow_run(flow_run.id).state  # noqa: E731
+                _wait_for("marked Crashed", lambda: state().type.value == "CRASHED", 240)
+                crashed = time.monotonic() - killed_at
+                assert "no heartbeat" in state().message
+            alerts, _ = _wait_for("the crash alert", lambda: list(hook.bodies), 60)
+        print(f"after the kill: slot back in {freed:.0f} s, flow run Crashed in {crashed:.0f} s")
+        (alert,) = alerts
+        assert alert["text"].startswith(f":boom: gradline flow run `{flow_run.name}` crashed")
+        assert "no heartbeat" in alert["text"]
+        assert _processes_marked(mark) == []
+    finally:
+        for pid in _processes_marked(mark):
+            os.kill(pid, signal.SIGKILL)
+        server.stop()
+
+
+def _heartbeats(client, flow_run_id) -> int:
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    events = client.read_events(
+        filter=EventFilter(
+            event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+            resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+        ),
+        limit=50,
+    )
+    return len(events.events)
