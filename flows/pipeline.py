@@ -1,7 +1,9 @@
 """The pipeline as a Prefect flow; its body reads like the data flow in the docs.
 
-params -> (nothing changed? skip) -> ingest -> push data -> shard -> [device quota] train
--> evaluate -> register -> summary. On failure the summary names the step and the cause.
+params -> (nothing changed? push, skip) -> ingest -> push data -> shard -> [device quota]
+train -> evaluate -> push -> register -> summary. On failure the summary names the step
+and the cause. A model version is registered only once everything it was made from
+(data, shards, model) is on the DVC remote, so any clone can `dvc pull` it.
 With `orchestrate.train_pool` set, train runs on that Prefect work pool instead (the
 GPU machine's own quota), and its outputs come back through the DVC remote.
 """
@@ -16,7 +18,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled, Completed
 
 from flows.train_pool import check_train_pool, train_on_pool
-from tasks.dvc_stages import push_data, run_stage, stale_stages
+from tasks.dvc_stages import push_all, push_data, run_stage, stale_stages
 from tasks.notify import notify_champion, notify_failure
 from tasks.quota import check_quota, device_slots
 from tasks.registry import (
@@ -78,6 +80,10 @@ def _run_steps(root: str, overrides: list[str], force: bool) -> RunSummary:
         if not force:
             step = "check-up-to-date"
             if latest := find_up_to_date_run(root, cfg):
+                # Registered implies pushed, but the remote may have changed since (a new
+                # URL, a store wiped): a push that finds it all there costs under a second.
+                step = "push"
+                push_all(root)
                 publish_summary(latest)
                 return Completed(name="Skipped", message=latest.headline, data=latest)
         step = "ingest"
@@ -96,6 +102,8 @@ def _run_steps(root: str, overrides: list[str], force: bool) -> RunSummary:
                 run_stage(cfg, root, "train", force)
         step = "evaluate"
         run_stage(cfg, root, "evaluate", force)
+        step = "push"  # every output on the remote before a version points at them
+        push_all(root)
         step = "register"
         summary = register_model(root, cfg)
     except Exception as exc:

@@ -37,6 +37,7 @@ from training.errors import (
     is_retryable,
     is_retryable_exit,
 )
+from training.mlops.remote import failed_files, push_failed
 from training.mlops.tracking import FLOW_RUN_ENV
 from training.mlops.versioning import data_version
 
@@ -45,12 +46,16 @@ _HINTS = ("git add", "To track the changes", "To enable auto staging", "autostag
 
 
 class StageFailed(GradlineError):
-    """A DVC command failed; `retryable` says whether running it again can help."""
+    """A DVC command failed; `retryable` says whether running it again can help.
+    `output`: the end of what the command printed."""
 
-    def __init__(self, message: str, exit_code: int | None, retryable: bool) -> None:
+    def __init__(
+        self, message: str, exit_code: int | None, retryable: bool, output: str = ""
+    ) -> None:
         super().__init__(message)
         self.exit_code = exit_code if exit_code is not None else 1
         self.retryable = retryable
+        self.output = output
 
 
 def _env(record_as: str = "") -> dict[str, str]:
@@ -88,7 +93,7 @@ def _stage_failure(args: tuple[str, ...], code: int, record_file: Path, tail: st
             is_retryable_exit(record["exit_code"]),
         )
     # No record: the stage crashed outside gradline's handling, or DVC itself failed.
-    return StageFailed(f"`{command}` failed ({code}):\n{tail}", code, retryable=True)
+    return StageFailed(f"`{command}` failed ({code}):\n{tail}", code, True, output=tail)
 
 
 def _to_stderr(line: str) -> None:
@@ -96,15 +101,20 @@ def _to_stderr(line: str) -> None:
 
 
 def run_dvc(
-    root: Path, *args: str, record_as: str = "", echo: Callable[[str], None] | None = None
+    root: Path,
+    *args: str,
+    record_as: str = "",
+    echo: Callable[[str], None] | None = None,
+    keep_stderr: bool = False,
 ) -> str:
     """Run a DVC command, streaming its output into the task log (or to `echo`: outside a
     flow, stderr); return that output. record_as: the flow run the stage's MLflow run is
-    tagged with (default: this one)."""
+    tagged with (default: this one). keep_stderr: read stderr even on a terminal (a
+    failed push is classified from DVC's error lines)."""
     echo = echo or get_run_logger().info
     env = _env(record_as)
     # On a terminal the stage's stderr (progress bars, errors) goes straight to it.
-    stderr = None if sys.stderr.isatty() else subprocess.STDOUT
+    stderr = None if sys.stderr.isatty() and not keep_stderr else subprocess.STDOUT
     tail: deque[str] = deque(maxlen=60)
     with tempfile.TemporaryDirectory(prefix="gradline-stage-") as tmp:
         record_file = Path(tmp) / "error.json"
@@ -243,17 +253,82 @@ def run_stage(cfg: Config, root: str, name: str, force: bool, record_as: str = "
     return stage(root, name, force, record_as)
 
 
-@task(name="dvc-push-data", task_run_name="dvc-push-data", retries=2, retry_delay_seconds=2)
+def retry_unless_lasting(task, task_run, state) -> bool:
+    """Prefect's retry condition for pushes: a dropped connection may pass next time, a
+    full, missing or forbidden remote will not (a plain function: see RetryBudget)."""
+    return is_retryable(state.result(raise_on_failure=False))
+
+
+def push_to_remote(root: Path, *targets: str) -> None:
+    """`dvc push` of the targets' cached outputs (every stage's when none) to the default
+    remote; a failure is a RemotePushFailed naming the remote, the cause and the fix."""
+    try:
+        run_dvc(root, "push", *targets, keep_stderr=True)
+    except StageFailed as failed:
+        remote, url = default_remote(root)
+        # DVC counts the files that failed; when it stopped at the first error, ask it.
+        missing = failed_files(failed.output)
+        if missing is None:
+            missing = _count_missing(root, targets)
+        raise push_failed(remote, url, failed.output, failed.exit_code, missing) from None
+
+
+def default_remote(root: Path) -> tuple[str, str]:
+    """(name, URL) of the project's default DVC remote, as all config levels merge them
+    (a --local URL wins); ("", "") when there is none."""
+    # `dvc config` reads the merged levels; `dvc remote list` wraps long URLs.
+    name = dvc_output(root, "remote", "default").strip()
+    if not name:
+        return "", ""
+    return name, dvc_output(root, "config", f"remote.{name}.url").strip()
+
+
+def _count_missing(root: Path, targets: tuple[str, ...]) -> int | None:
+    """How many cached outputs the remote lacks (`dvc status --cloud`), when it can be
+    asked at all (a remote that failed the push may fail this too)."""
+    try:
+        return len(json.loads(dvc_output(root, "status", "--cloud", "--json", *targets) or "{}"))
+    except (StageFailed, json.JSONDecodeError):
+        return None
+
+
+@task(
+    name="dvc-push-data",
+    task_run_name="dvc-push-data",
+    retries=2,
+    retry_delay_seconds=2,
+    retry_condition_fn=retry_unless_lasting,
+)
 def push_data(root: str) -> str:
     """Push the ingested snapshot to the DVC remote; return its data version (md5)."""
-    run_dvc(Path(root), "push", "ingest")
+    push_to_remote(Path(root), "ingest")
     return data_version(Path(root))
 
 
-@task(name="dvc-push", task_run_name="dvc-push-{stage}", retries=2, retry_delay_seconds=2)
+@task(
+    name="dvc-push",
+    task_run_name="dvc-push-{stage}",
+    retries=2,
+    retry_delay_seconds=2,
+    retry_condition_fn=retry_unless_lasting,
+)
 def push_outputs(root: str, stage: str) -> None:
     """Push a stage's cached outputs (as dvc.lock records them) to the DVC remote."""
-    run_dvc(Path(root), "push", stage)
+    push_to_remote(Path(root), stage)
+
+
+@task(
+    name="push",
+    task_run_name="push",
+    retries=2,
+    retry_delay_seconds=2,
+    retry_condition_fn=retry_unless_lasting,
+)
+def push_all(root: str) -> None:
+    """Push every cached output dvc.lock records (data, shards, model) to the default
+    remote. The flow registers a model version only after this: a version whose files
+    are not on the remote could not be pulled anywhere else."""
+    push_to_remote(Path(root))
 
 
 @task(name="dvc-pull", task_run_name="dvc-pull-{stage}", retries=2, retry_delay_seconds=2)

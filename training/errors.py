@@ -42,6 +42,20 @@ class TrackingError(GradlineError):
     """The MLflow tracking store or registry cannot do what was asked."""
 
 
+class RemotePushFailed(GradlineError):
+    """Outputs did not reach the DVC remote, so nothing was registered. `cause` says why
+    (training.mlops.remote); a full, missing or forbidden remote is not worth a retry, a
+    connection that dropped is. `missing`: files that did not reach it, when known."""
+
+    def __init__(self, message: str, cause: str, retryable: bool, missing: int | None) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.retryable = retryable
+        self.missing = missing
+        # EX_TEMPFAIL tells a scheduler that sees only the exit code to try again later.
+        self.exit_code = PREEMPTED_EXIT_CODE if retryable else USER_ERROR_EXIT_CODE
+
+
 def is_retryable_exit(code: int | None) -> bool:
     """Whether a stage that ended with `code` may succeed when run again. Only the
     user-error code says no: crashes, preemptions and signals are worth a retry."""
