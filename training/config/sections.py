@@ -292,6 +292,13 @@ class OrchestrateConfig(Section):
         description="how long a run waits for its device slots before it gives up, naming "
         "the quota (a run holding them, or slots a killed run leaked)",
     )
+    tracking_wait_s: float = Field(
+        600.0,
+        gt=0,
+        description="how long registration waits for an MLflow tracking server that does "
+        "not answer (the job's records wait in its journal) before it fails, naming what "
+        "is kept and that `gradline sync` ships it and registers",
+    )
     stop_grace_s: float = Field(
         120.0,
         gt=0,
