@@ -145,7 +145,7 @@ class MlflowTracker:
     ) -> None:
         journal.parent.mkdir(parents=True, exist_ok=True)
         self._keep_pending = keep_pending  # checkpoint copies waiting to ship
-        self._path = journal
+        self._path, self._uri = journal, tracking_uri
         self._journal = journal.open("a", encoding="utf-8")
         # A clean interpreter: nothing of the rank's CUDA or communication state.
         context = multiprocessing.get_context("spawn")
@@ -205,11 +205,14 @@ class MlflowTracker:
         registration, or `gradline sync`, ships them once the server is back."""
         self._append({"kind": "end", "writer": os.getpid()})
         self._journal.close()
-        deadline = time.monotonic() + timeout_s
-        while self._process.is_alive() and time.monotonic() < deadline:
+        started = time.monotonic()
+        while self._process.is_alive() and time.monotonic() - started < timeout_s:
             self._process.join(0.5)
-            since = self._outage_since.value
-            if since and time.time() - since > outage_grace_s and self._process.is_alive():
+            # Still down after the grace (not merely back while the helper sleeps
+            # between tries, up to 30 s): waiting longer here cannot help.
+            in_outage = self._outage_since.value and self._process.is_alive()
+            past_grace = time.monotonic() - started > outage_grace_s
+            if in_outage and past_grace and not tracking_reachable(self._uri):
                 self._leave_in_journal()
                 return
         if self._process.exitcode != 0:
