@@ -119,6 +119,42 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sync(args: argparse.Namespace) -> int:
+    from training.mlops.sync import ship_when_back
+    from training.project import Project, find_project_root
+
+    project = Project(find_project_root())
+    cfg = project.config()
+    with project_lock(project.root, wait=not args.no_wait):
+        # No wait: the user runs this once the server is back; if it is not, say so now.
+        done = ship_when_back(project.tracking_uri, project.checkpoints, 0, print, "ship them")
+        for job in done:
+            print(
+                f"shipped {job.shipped.records} journal records ({job.shipped.checkpoints} "
+                f"checkpoint copies) of job {job.job.path.name} to MLflow run {job.run_id}"
+            )
+        if not done:
+            print("nothing to ship: every job's journal is in MLflow")
+        print(_register_after_sync(project, cfg))
+    return 0
+
+
+def _register_after_sync(project, cfg) -> str:
+    """Register the trained model as the flow's register step would (once: a version
+    registered before is reported, not added again)."""
+    from tasks.registry import register_trained
+    from training.mlops.registry import is_gated
+    from training.mlops.tracking import client
+
+    if not (project.train_result.is_file() and project.metrics.is_file()):
+        return "no trained and evaluated model to register (result.json, metrics.json)"
+    run_id = project.read_train_result()["run_id"]
+    before = is_gated(client(project.tracking_uri), cfg.registry.model_name, run_id)
+    summary = register_trained(project.root, cfg, 0, print)
+    state = "already registered" if before else "registered"
+    return f"{state}: {summary.model_name} v{summary.version} -> alias {summary.alias!r}"
+
+
 def _cmd_stage(args: argparse.Namespace) -> int:
     from training.project import Project, find_project_root
 
@@ -190,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     commands = (_add_run, _add_compare, _add_example, _add_serve, _add_deploy_train)
-    for add in (*commands, _add_lineage, _add_runs, _add_stage, _add_ui):
+    for add in (*commands, _add_lineage, _add_runs, _add_sync, _add_stage, _add_ui):
         add(sub)  # each subcommand's arguments, in the order `gradline --help` lists them
     return parser
 
@@ -312,6 +348,23 @@ def _add_runs(sub) -> None:
     runs = sub.add_parser("runs", help="recent runs with their key metrics")
     runs.add_argument("-n", "--limit", type=_positive_int, default=20)
     runs.set_defaults(func=_cmd_runs)
+
+
+def _add_sync(sub) -> None:
+    sync = sub.add_parser(
+        "sync",
+        help="ship what jobs kept while the tracking server was down, then register the model",
+        description="Ship every journal record and checkpoint copy that the project's jobs "
+        "kept while the MLflow tracking server was down (each value once), then register "
+        "the trained model as `gradline run` would. Run it once the server is back; "
+        "running it again changes nothing. Exit code 2 if the server does not answer.",
+    )
+    sync.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="exit (code 2) at once if another run holds the project, instead of waiting",
+    )
+    sync.set_defaults(func=_cmd_sync)
 
 
 def _add_stage(sub) -> None:

@@ -14,6 +14,7 @@ from training.config import Config
 from training.data.manifest import read_manifest, split_digest
 from training.mlops.lineage import model_version_url, run_url, ui_base, version_tags
 from training.mlops.registry import gate_score, is_gated, register_and_gate, version_of_run
+from training.mlops.sync import run_model_uri, ship_when_back
 from training.mlops.tracking import TAG_DATA_VERSION, client, redact_uri
 from training.project import Project, default_tracking_uri
 
@@ -131,22 +132,34 @@ def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
 @task(name="register-model", task_run_name="register-model")
 def register_model(root: str, cfg: Config) -> RunSummary:
     """Register the trained model and gate it on the task's metric against its baseline
-    and the champion, both on the current test split."""
+    and the champion, both on the current test split; first ship what the job left in
+    its journal, waiting up to orchestrate.tracking_wait_s for a server that is down."""
+    logger = get_run_logger()
+    return register_trained(Path(root), cfg, cfg.orchestrate.tracking_wait_s, logger.info)
+
+
+def register_trained(root: Path, cfg: Config, wait_s: float, say) -> RunSummary:
+    """The register step, for the flow and for `gradline sync`: ship every pending
+    journal of the project (waiting up to `wait_s`, saying so through `say`), then
+    register the trained run's model once and gate it."""
     # Deferred: re-scoring a champion needs torch (~2 s); the rest of the flow runs in
     # this process without it.
     from training.mlops.serving import rescore_champion
 
-    project = Project(Path(root))
+    project = Project(root)
     trained = project.read_train_result()
     metrics = json.loads(project.metrics.read_text())
     manifest = read_manifest(project.shards)
     tracking_uri = project.tracking_uri
+    ship_when_back(tracking_uri, project.checkpoints, wait_s, say, "register the model")
+    # A job that ended while the server was down logged its model when it shipped.
+    model_uri = trained["model_uri"] or run_model_uri(tracking_uri, trained["run_id"])
     run_tags = client(tracking_uri).get_run(trained["run_id"]).data.tags
     score = gate_score(cfg, metrics)
     registration = register_and_gate(
         tracking_uri,
         cfg.registry.model_name,
-        trained["model_uri"],
+        model_uri,
         trained["run_id"],
         score,
         split_digest(manifest, "test"),

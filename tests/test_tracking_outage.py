@@ -83,3 +83,196 @@ def test_records_written_while_the_server_is_down_ship_once_it_is_back(server, t
     steps = sorted(m.step for m in history)
     assert steps == list(range(1, 31))  # every value, once: no gap, no duplicate
     assert client(server.uri).get_run(run_id).data.tags["gradline.last_step"] == "30"
+
+
+# --- The server still down when training ends: the train stage finishes, registration
+# waits orchestrate.tracking_wait_s and fails naming what is kept; `gradline sync` ships.
+
+END_SMALL = {
+    "runtime.procs_per_node": 1,
+    "data.max_rows": 900,
+    "train.epochs": 30,  # enough for the MLP to beat its baseline: a champion
+    "runtime.log_every_steps": 10,
+    "runtime.checkpoint_every_steps": 50,
+    "orchestrate.tracking_wait_s": 3,
+}
+
+
+def _cli(root: Path, env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _stop_when_shipping(server: Server, job_root: Path, proc: subprocess.Popen) -> None:
+    """Stop the server once the helper has shipped something and training goes on."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        shipped = list(job_root.glob("*/tracking.jsonl.shipped"))
+        if shipped:
+            server.stop()
+            return
+        time.sleep(0.2)
+    raise AssertionError("training ended before its helper shipped anything")
+
+
+def _journal_steps(journal: Path) -> dict[str, list[int]]:
+    """Every step of every training metric the journal holds (what MLflow must hold)."""
+    import json
+
+    steps: dict[str, set[int]] = {}
+    for line in journal.read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "metrics" and not record.get("replace"):
+            for key in record["values"]:
+                steps.setdefault(key, set()).add(record["step"])
+        elif record["kind"] == "series":
+            first = record["first"]
+            steps.setdefault(record["key"], set()).update(
+                range(first, first + len(record["values"]))
+            )
+    return {key: sorted(found) for key, found in steps.items()}
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_server_down_as_training_ends_then_sync_ships_and_registers(
+    server, tmp_path, monkeypatch
+) -> None:
+    import json
+    import os
+
+    from tasks.registry import register_trained
+    from training.config import write_overrides
+    from training.errors import TrackingUnavailable
+    from training.mlops.tracking import pending_records
+    from training.project import Project
+
+    from .conftest import copy_project
+
+    root = copy_project(tmp_path / "project")
+    write_overrides(root / "params.yaml", [f"{k}={v}" for k, v in END_SMALL.items()])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(MLFLOW_TRACKING_URI=server.uri, GRADLINE_PROGRESS="plain")
+    env["GRADLINE_FAULT"] = "slow:rank=0:step=0:seconds=0.03"  # long enough to stop midway
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
+    # The data through DVC, as the flow brings it (dvc.lock records its version).
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro", "shard"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+    train_args = ["--shards", "data/shards", "--model", "model"]
+    train_args += ["--checkpoints", "checkpoints", "--result", "result.json"]
+    command = [sys.executable, "-m", "flows.cli", "stage", "train", *train_args]
+    log = (tmp_path / "train.log").open("w")
+    train = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _stop_when_shipping(server, root / "checkpoints", train)
+        stopped = time.monotonic()
+        assert train.wait(timeout=300) == 0, (tmp_path / "train.log").read_text()[-4000:]
+    finally:
+        if train.poll() is None:
+            train.kill()
+            train.wait()
+    ended_after = time.monotonic() - stopped
+    train_log = (tmp_path / "train.log").read_text()
+
+    # The train stage finished without the server: model, result, checkpoints, journal.
+    result = json.loads((root / "result.json").read_text())
+    job = Project(root).job(result["job"])
+    assert (root / "model").is_dir() and result["model_uri"] is None
+    assert list(job.path.glob("step-*")), "no checkpoint"
+    waiting = pending_records(job.journal)
+    assert waiting > 0, train_log[-3000:]
+    assert "does not answer" in train_log
+
+    done = _cli(
+        root,
+        env,
+        "stage",
+        "evaluate",
+        "--model",
+        "model",
+        "--shards",
+        "data/shards",
+        "--result",
+        "result.json",
+        "--metrics",
+        "metrics.json",
+        "--plots",
+        "plots",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    # Registration (the flow's register step) waits orchestrate.tracking_wait_s, then fails.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    said: list[str] = []
+    began = time.monotonic()
+    with pytest.raises(TrackingUnavailable) as failed:
+        register_trained(root, Project(root).config(), 3.0, said.append)
+    waited = time.monotonic() - began
+    message = str(failed.value)
+    assert 3.0 <= waited < 20, waited
+    assert said and "waiting for the MLflow tracking server" in said[0]
+    assert "within 3 s (orchestrate.tracking_wait_s)" in message
+    assert f"job {job.path.name}" in message and "records not yet in MLflow" in message
+    assert "run `gradline sync` to ship them and register the model" in message
+
+    # The server is back (same port, same store): `gradline sync` ships and registers.
+    server.start()
+    synced = _cli(root, env, "sync")
+    assert synced.returncode == 0, synced.stdout[-2000:] + synced.stderr[-3000:]
+    assert "shipped " in synced.stdout and f"of job {job.path.name}" in synced.stdout
+    assert "registered: gradline-digits v1 -> alias 'champion'" in synced.stdout
+    assert pending_records(job.journal) == 0
+
+    counts = _count(server.uri, result["run_id"], job.journal)
+    again = _cli(root, env, "sync")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing to ship" in again.stdout
+    assert "already registered: gradline-digits v1 -> alias 'champion'" in again.stdout
+    assert _count(server.uri, result["run_id"], job.journal) == counts
+    print(
+        f"train ended {ended_after:.1f} s after the server stopped; {waiting} records waited "
+        f"(+ evaluation and the job's end); registration gave up after {waited:.1f} s; "
+        f"sync said: {synced.stdout.strip()}"
+    )
+
+
+def _count(uri: str, run_id: str, journal: Path) -> dict:
+    """Every value per metric and step once, no gaps; one run; one version, the champion."""
+    mlflow_client = client(uri)
+    run = mlflow_client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    expected = _journal_steps(journal)
+    assert "train_loss" in expected
+    for key, steps in expected.items():
+        held = sorted(m.step for m in mlflow_client.get_metric_history(run_id, key))
+        assert held == steps, key  # each value once, none missing
+    test_values = mlflow_client.get_metric_history(run_id, "test_accuracy")
+    assert len(test_values) == 1
+    runs = mlflow_client.search_runs([run.info.experiment_id])
+    assert len(runs) == 1  # one run for the job
+    versions = mlflow_client.search_model_versions("name='gradline-digits'")
+    assert [v.run_id for v in versions] == [run_id]
+    champion = mlflow_client.get_model_version_by_alias("gradline-digits", "champion")
+    assert champion.version == versions[0].version
+    checkpoints = mlflow_client.list_artifacts(run_id, "checkpoints")
+    evaluation = mlflow_client.list_artifacts(run_id, "evaluation")
+    assert checkpoints and evaluation
+    return {
+        "steps": {key: len(steps) for key, steps in expected.items()},
+        "checkpoints": sorted(a.path for a in checkpoints),
+        "versions": len(versions),
+    }

@@ -56,6 +56,12 @@ class RemotePushFailed(GradlineError):
         self.exit_code = PREEMPTED_EXIT_CODE if retryable else USER_ERROR_EXIT_CODE
 
 
+class TrackingUnavailable(TrackingError):
+    """The tracking server did not answer in the time given. Nothing is lost: the job's
+    records wait in its journal on disk until `gradline sync` ships them. Running the
+    same thing again before the server is back fails the same way (exit code 2)."""
+
+
 def is_retryable_exit(code: int | None) -> bool:
     """Whether a stage that ended with `code` may succeed when run again. Only the
     user-error code says no: crashes, preemptions and signals are worth a retry."""

@@ -16,8 +16,9 @@ from training.data.manifest import read_manifest, split_digest
 from training.data.shards import write_shards
 from training.evaluation import evaluate
 from training.mlops.jobs import JobRequest, run_job
-from training.mlops.runs import record_evaluation
-from training.mlops.tracking import metric_history
+from training.mlops.runs import evaluation_records, record_evaluation
+from training.mlops.sync import defer_evaluation, ship_if_answering
+from training.mlops.tracking import journal_history, metric_history
 from training.mlops.versioning import data_version
 from training.models.folder import load_model_dir
 from training.plots import plot_loss_curves
@@ -63,7 +64,8 @@ def train_stage(
         return None
     summary = {
         "run_id": outcome.run_id,
-        "model_uri": outcome.model_uri,
+        "model_uri": outcome.model_uri,  # None: it waits in the job's journal (sync.py)
+        "job": outcome.job.job_dir.path.name,  # its folder under checkpoints/
         "data_version": read_manifest(shards)["data_version"],
         "final": outcome.final,
     }
@@ -82,17 +84,23 @@ def evaluate_stage(
     evaluation = evaluate(cfg, model, shards, plots)
     curves = plots / "loss_curves.png"
     keys = ("train_loss", "val_loss", evaluation.objective.curve_metric)
-    history = metric_history(project.tracking_uri, trained["run_id"], keys)
+    job = project.job(trained["job"]) if trained.get("job") else None
+    if job is not None and job.journal.is_file():  # on disk whether or not MLflow answers
+        history = journal_history(job.journal, keys)
+    else:
+        history = metric_history(project.tracking_uri, trained["run_id"], keys)
     plot_loss_curves(history, curves, evaluation.objective.curve_metric)
     write_json(metrics_out, evaluation.metrics)
-    record_evaluation(
-        project.tracking_uri,
-        trained["run_id"],
-        cfg,
-        int(trained["final"]["step"]),
-        evaluation.metrics,
-        [*evaluation.figures, curves],
-        split_digest(read_manifest(shards), "test"),
-    )
+    step = int(trained["final"]["step"])
+    test_digest = split_digest(read_manifest(shards), "test")
+    records = evaluation_records(cfg, step, evaluation.metrics, test_digest)
+    figures = [*evaluation.figures, curves]
+    if job is not None and job.run_file.is_file():
+        # Journaled like training's records: shipped now if the server answers, else
+        # by registration or `gradline sync` once it is back.
+        defer_evaluation(job, records, figures)
+        ship_if_answering(project.tracking_uri, job)
+    else:
+        record_evaluation(project.tracking_uri, trained["run_id"], records, figures)
     log.info("evaluate: %s", evaluation.metrics)
     return evaluation.metrics

@@ -298,6 +298,13 @@ class OrchestrateConfig(Section):
         description="how long the lease on a run's device slots lasts; the run renews it "
         "while it lives, so a run that died gives its slots back at most this long after",
     )
+    tracking_wait_s: float = Field(
+        600.0,
+        gt=0,
+        description="how long registration waits for an MLflow tracking server that does "
+        "not answer (the job's records wait in its journal) before it fails, naming what "
+        "is kept and that `gradline sync` ships it and registers",
+    )
     stop_grace_s: float = Field(
         120.0,
         gt=0,

@@ -36,7 +36,8 @@ from training.mlops.runs import (
     set_status,
 )
 from training.mlops.serving import log_pyfunc_model
-from training.mlops.tracking import MlflowSink
+from training.mlops.sync import defer_job_end
+from training.mlops.tracking import MlflowSink, pending_records, redact_uri, tracking_reachable
 from training.models.registry import check_buildable
 
 log = logging.getLogger("gradline")
@@ -109,6 +110,13 @@ def run_job(request: JobRequest, control: Control | None = None) -> JobOutcome:
     if final is None:  # rank 0 ran on another node, which records the model
         return JobOutcome(job, None, None, wall)
     model_uri = None
+    if job.run_id is not None and _tracking_down(request, job):
+        # The model and checkpoints are on disk: the job is done. What MLflow should hold
+        # waits in the journal for registration (orchestrate.tracking_wait_s) or sync.
+        model_dir = request.model_dir if request.log_model else None
+        defer_job_end(job.job_dir, model_dir, cfg.generation())
+        mark_complete(job)
+        return JobOutcome(job, final, None, wall)
     if request.log_model and job.run_id is not None:
         model_uri = log_pyfunc_model(
             request.tracking_uri, job.run_id, request.model_dir, cfg.generation()
@@ -116,6 +124,24 @@ def run_job(request: JobRequest, control: Control | None = None) -> JobOutcome:
     _set_status(request, job, "FINISHED")
     mark_complete(job)
     return JobOutcome(job, final, model_uri, wall)
+
+
+def _tracking_down(request: JobRequest, job: JobRun) -> bool:
+    """Whether the job's end must wait for the tracking server: its helper left records
+    behind, or the server does not answer now (an MLflow call would retry for minutes)."""
+    waiting = pending_records(job.job_dir.journal)
+    if waiting or not tracking_reachable(request.tracking_uri):
+        log.warning(
+            "train: the MLflow tracking server at %s does not answer; the model, result and "
+            "checkpoints are written, and %d journal records of run %s (then its model and "
+            "status) wait in %s until it is back",
+            redact_uri(request.tracking_uri),
+            waiting,
+            job.run_id,
+            job.job_dir.journal,
+        )
+        return True
+    return False
 
 
 def _open(request: JobRequest, control: Control, data_version: str) -> JobRun:

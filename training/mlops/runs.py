@@ -24,6 +24,7 @@ from training.atomic import write_json
 from training.config import Config, jobspec
 from training.engine.jobdir import JobDir
 from training.errors import ConfigError, GradlineError
+from training.mlops.sync import ship_job
 from training.mlops.tracking import (
     FLOW_RUN_ENV,
     TAG_DATA_VERSION,
@@ -36,6 +37,8 @@ from training.mlops.tracking import (
     default_artifact_location,
     ensure_experiment,
     git_commit,
+    pending_records,
+    ship_records,
 )
 
 
@@ -64,6 +67,10 @@ def open_job_run(
         mlflow_client.update_run(run_id, status="RUNNING")
         log_runtime(mlflow_client, run_id, cfg)
         return JobRun(run_id, job_dir, resumed=True)
+    if job_dir.run_file.is_file() and pending_records(job_dir.journal):
+        # A finished job whose records waited for the server: ship them before its
+        # folder (and journal) is cleared for the new run.
+        ship_job(tracking_uri, job_dir, deadline=time.monotonic())
     _start_afresh(job_dir)
     tags = {**(tags or {}), TAG_JOB_KEY: key}
     run_id = new_run(root, cfg, tracking_uri, data_version, tags)
@@ -152,28 +159,25 @@ def log_dataset(mlflow_client, run_id: str, cfg: Config, root: Path, data_versio
     )
 
 
-def record_evaluation(
-    tracking_uri: str,
-    run_id: str,
-    cfg: Config,
-    step: int,
-    metrics: dict[str, float],
-    figures: list[Path],
-    test_digest: str,
-) -> None:
-    """The evaluate stage's results on the job's run: the test metrics at the final step,
-    the test split's digest (the gate compares on equal digests), the evaluation's own
-    settings as tags, and what the task drew under `evaluation/`."""
-    from mlflow.entities import Metric, RunTag
-
-    mlflow_client = client(tracking_uri)
+def evaluation_records(
+    cfg: Config, step: int, metrics: dict[str, float], test_digest: str
+) -> list[dict]:
+    """The evaluate stage's results on the job's run, as journal records: the test
+    metrics at the final step (a new evaluation replaces them), the test split's digest
+    (the gate compares on equal digests) and the evaluation's own settings as tags."""
     stamp = int(time.time() * 1000)
-    mlflow_client.log_batch(
-        run_id,
-        metrics=[Metric(k, v, stamp, step) for k, v in metrics.items()],
-        tags=[RunTag(TAG_TEST_DIGEST, test_digest)],
-    )
-    log_runtime(mlflow_client, run_id, cfg, stage="evaluate")
+    values = {"kind": "metrics", "step": step, "time": stamp, "values": metrics, "replace": True}
+    tags = {TAG_TEST_DIGEST: test_digest, **jobspec.run_tags(cfg, "evaluate")}
+    return [values, *({"kind": "tag", "key": k, "value": v} for k, v in tags.items())]
+
+
+def record_evaluation(
+    tracking_uri: str, run_id: str, records: list[dict], figures: list[Path]
+) -> None:
+    """Ship `evaluation_records` straight to the run, with what the task drew under
+    `evaluation/` (a job whose folder is elsewhere: no journal here to keep them)."""
+    ship_records(tracking_uri, run_id, records)
+    mlflow_client = client(tracking_uri)
     for figure in figures:
         mlflow_client.log_artifact(run_id, str(figure), "evaluation")
 

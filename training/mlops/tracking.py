@@ -18,11 +18,13 @@ import shutil
 import subprocess
 import time
 import urllib.parse
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.atomic import pid_alive
-from training.errors import TrackingError
+from training.atomic import pid_alive, write_json
+from training.errors import TrackingError, TrackingUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,9 @@ FLOW_RUN_ENV = "GRADLINE_PREFECT_FLOW_RUN_ID"
 # Checkpoint copies waiting to ship: enough for a helper that lags behind a busy host,
 # bounded for a tracking server that stays down (each holds a pruned checkpoint's bytes).
 PENDING_CHECKPOINTS = 10
+# How long the end of a job waits for a tracking server that does not answer before it
+# leaves the records in the journal (registration waits longer: orchestrate.tracking_wait_s).
+END_OUTAGE_GRACE_S = 10.0
 
 
 def redact_uri(uri: str) -> str:
@@ -140,12 +145,16 @@ class MlflowTracker:
     ) -> None:
         journal.parent.mkdir(parents=True, exist_ok=True)
         self._keep_pending = keep_pending  # checkpoint copies waiting to ship
+        self._path, self._uri = journal, tracking_uri
         self._journal = journal.open("a", encoding="utf-8")
         # A clean interpreter: nothing of the rank's CUDA or communication state.
         context = multiprocessing.get_context("spawn")
+        # When the server stopped answering (time.time()), 0 while it answers: the helper
+        # sets it, close() reads it to decide whether waiting for the helper can help.
+        self._outage_since = context.Value("d", 0.0)
         self._process = context.Process(
             target=_tracking_process,
-            args=(tracking_uri, run_id, str(journal), os.getpid()),
+            args=(tracking_uri, run_id, str(journal), os.getpid(), self._outage_since),
             name="gradline-tracker",
             daemon=True,
         )
@@ -189,16 +198,41 @@ class MlflowTracker:
             }
         )
 
-    def close(self, timeout_s: float = 600.0) -> None:
-        """Wait until everything journaled is in the tracking store."""
+    def close(self, timeout_s: float = 600.0, outage_grace_s: float = END_OUTAGE_GRACE_S) -> None:
+        """Wait until everything journaled is in the tracking store, unless the server has
+        not answered for `outage_grace_s`: then the records stay in the journal and the
+        job ends without them (its model and checkpoints never wait on tracking);
+        registration, or `gradline sync`, ships them once the server is back."""
         self._append({"kind": "end", "writer": os.getpid()})
         self._journal.close()
-        self._process.join(timeout_s)
+        started = time.monotonic()
+        while self._process.is_alive() and time.monotonic() - started < timeout_s:
+            self._process.join(0.5)
+            # Still down after the grace (not merely back while the helper sleeps
+            # between tries, up to 30 s): waiting longer here cannot help.
+            in_outage = self._outage_since.value and self._process.is_alive()
+            past_grace = time.monotonic() - started > outage_grace_s
+            if in_outage and past_grace and not tracking_reachable(self._uri):
+                self._leave_in_journal()
+                return
         if self._process.exitcode != 0:
             raise TrackingError(
                 f"the MLflow tracking helper failed (exit code {self._process.exitcode}); "
                 "see its error above. Training results are on disk; the run may lack metrics"
             )
+
+    def _leave_in_journal(self) -> None:
+        # Safe at any moment: what the helper shipped is saved as an offset only after the
+        # server took it, and the next shipper reads back what landed (one value per step).
+        self._process.terminate()
+        self._process.join(30)
+        log.warning(
+            "MLflow tracking server still unreachable as the job ends: %d records stay in "
+            "the journal %s; registration ships them when the server is back (or run "
+            "`gradline sync`)",
+            pending_records(self._path),
+            self._path,
+        )
 
 
 def link_checkpoint(path: Path, keep: int = PENDING_CHECKPOINTS) -> Path:
@@ -228,7 +262,18 @@ def _deprioritize(pid: int) -> None:
         os.setpriority(os.PRIO_PROCESS, pid, 19)
 
 
-def _ship(mlflow_client, run_id: str, records: list[dict], logged_until: dict[str, int]) -> None:
+# A journal record kind that tracking does not know, shipped by the caller's function
+# (the deferred model: logging it needs torch and the serving code).
+Action = Callable[[dict], None]
+
+
+def _ship(
+    mlflow_client,
+    run_id: str,
+    records: list[dict],
+    logged_until: dict[str, int],
+    actions: dict[str, Action] | None = None,
+) -> None:
     from mlflow.entities import Metric, RunTag
 
     def last_logged(key: str) -> int:
@@ -242,15 +287,20 @@ def _ship(mlflow_client, run_id: str, records: list[dict], logged_until: dict[st
             metrics.append(Metric(key, float(value), stamp, step))
             logged_until[key] = step
 
-    metrics, tags = [], []
+    def replace(key: str, value: float, stamp: int, step: int) -> None:
+        # An evaluation may give a step a new value (evaluated again); the same value
+        # already there is this record shipped before.
+        held = {(m.step, m.value) for m in mlflow_client.get_metric_history(run_id, key)}
+        if (step, float(value)) not in held:
+            metrics.append(Metric(key, float(value), stamp, step))
+
+    metrics, tags, status = [], [], None
     for record in records:
         kind = record["kind"]
-        if kind == "metrics":
-            for key, value in record["values"].items():
-                add(key, value, record["time"], record["step"])
-        elif kind == "series":
-            for step, value in enumerate(record["values"], start=record["first"]):
-                add(record["key"], value, record["time"], step)
+        if kind in ("metrics", "series"):
+            put = replace if record.get("replace") else add
+            for key, value, stamp, step in _values(record):
+                put(key, value, stamp, step)
         elif kind == "tag":
             tags.append(RunTag(record["key"], record["value"]))
         elif kind == "text":
@@ -262,34 +312,85 @@ def _ship(mlflow_client, run_id: str, records: list[dict], logged_until: dict[st
             mlflow_client.log_dict(run_id, payload, f"{folder}/metrics.json")
             # Gone once shipped: a later shipper (after a restart) skips this record.
             shutil.rmtree(record["path"], ignore_errors=True)
+        elif kind == "artifacts" and Path(record["path"]).exists():
+            mlflow_client.log_artifacts(run_id, record["path"], record["artifact_path"])
+            shutil.rmtree(record["path"], ignore_errors=True)
+        elif kind == "status":
+            status = record["status"]  # last: the run ends once it holds everything
+        elif actions and kind in actions:
+            actions[kind](record)
     for start in range(0, len(metrics), 1000):  # MLflow's batch limit
         mlflow_client.log_batch(run_id, metrics=metrics[start : start + 1000])
     if tags:
         mlflow_client.log_batch(run_id, tags=tags)
+    if status is not None:
+        mlflow_client.set_terminated(run_id, status=status)
+
+
+def _values(record: dict):
+    """(key, value, time, step) of each metric value in a metrics or series record."""
+    if record["kind"] == "metrics":
+        for key, value in record["values"].items():
+            yield key, value, record["time"], record["step"]
+    else:
+        for step, value in enumerate(record["values"], start=record["first"]):
+            yield record["key"], value, record["time"], step
+
+
+def journal_history(journal: Path, keys: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+    """Each metric's (step, value) pairs as the run holds them once the journal has
+    shipped (`metric_history` without the server): a step recomputed after a restart
+    keeps its first value, as the shipper does."""
+    history: dict[str, list[tuple[int, float]]] = {key: [] for key in keys}
+    records, _ = read_journal(journal, 0)
+    for record in records:
+        if record["kind"] not in ("metrics", "series") or record.get("replace"):
+            continue
+        for key, value, _, step in _values(record):
+            if key in history and step > (history[key][-1][0] if history[key] else -1):
+                history[key].append((step, float(value)))
+    return history
 
 
 def _ship_through_outages(
-    mlflow_client, run_id: str, records: list[dict], logged_until: dict[str, int]
+    mlflow_client,
+    run_id: str,
+    records: list[dict],
+    logged_until: dict[str, int],
+    *,
+    deadline: float | None = None,
+    outage_since=None,
+    actions: dict[str, Action] | None = None,
 ) -> None:
     """`_ship`, waiting out a tracking server that is down, restarting or failing (5xx):
     training never waits for it (the journal holds the records), and once it answers
     again each value lands once: what landed before the error is read back from the
-    server instead of being trusted from memory."""
+    server instead of being trusted from memory. Past `deadline` (time.monotonic()) it
+    gives up with TrackingUnavailable; `outage_since` (a shared value) tells the job's
+    end since when the server has not answered."""
     from mlflow.exceptions import MlflowException  # mlflow is optional: see the docstring
 
     delay = 1.0
     while True:
         try:
-            _ship(mlflow_client, run_id, records, logged_until)
+            _ship(mlflow_client, run_id, records, logged_until, actions)
+            if outage_since is not None:
+                outage_since.value = 0.0
             return
         except MlflowException as exc:
-            if not str(exc).startswith("API request to"):  # a transport failure, not a refusal
+            if not is_unreachable(exc):  # a refusal, not a transport failure
                 raise
             logged_until.clear()
+            if outage_since is not None and not outage_since.value:
+                outage_since.value = time.time()
+            cause = str(exc).splitlines()[0][:300]
+            if deadline is not None and time.monotonic() + delay > deadline:
+                message = f"the MLflow tracking server does not answer ({cause})"
+                raise TrackingUnavailable(message) from exc
             log.warning(
                 "MLflow tracking server unreachable (%s); the journal keeps the records and "
                 "they ship when it is back (next try in %.0f s); training goes on",
-                str(exc).splitlines()[0][:300],
+                cause,
                 delay,
             )
             time.sleep(delay)
@@ -299,32 +400,148 @@ def _ship_through_outages(
 _OUTAGE_RETRY_MAX_S = 30.0
 
 
-def _tracking_process(tracking_uri: str, run_id: str, journal: str, writer_pid: int) -> None:
+def is_unreachable(exc: Exception) -> bool:
+    """Whether an MlflowException is the server not answering (down, restarting, 5xx after
+    retries), as opposed to the server refusing the request."""
+    return str(exc).startswith("API request to")
+
+
+@contextlib.contextmanager
+def fail_fast_requests():
+    """MLflow's HTTP requests fail in seconds here instead of after its own minutes of
+    silent retries, so the caller can say what it waits for (and stop waiting)."""
+    settings = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+    before = {name: os.environ.get(name) for name in settings}
+    for name, value in settings.items():
+        os.environ.setdefault(name, value)  # the user's own settings win
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+
+
+def tracking_reachable(tracking_uri: str, timeout_s: float = 5.0) -> bool:
+    """Whether the tracking server answers its health check now (a local store always
+    does). One quick request, where an MLflow call would retry for minutes."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return True
+    parts = urllib.parse.urlsplit(tracking_uri)
+    health = urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/health"))
+    try:
+        with urllib.request.urlopen(health, timeout=timeout_s):
+            return True
+    except OSError:  # refused, timed out, or an HTTP error (URLError/HTTPError are OSErrors)
+        return False
+
+
+def _shipped_file(journal: Path) -> Path:
+    return journal.with_name(journal.name + ".shipped")
+
+
+def shipped_offset(journal: Path) -> int:
+    """Bytes of the journal the tracking store holds (saved after each shipped chunk)."""
+    try:
+        return json.loads(_shipped_file(journal).read_text())["offset"]
+    except FileNotFoundError:
+        return 0
+
+
+def read_journal(journal: Path, offset: int) -> tuple[list[dict], int]:
+    """The complete records after `offset`, and the offset after them (a torn last line,
+    still being written, waits for the next read)."""
+    with open(journal, encoding="utf-8") as handle:
+        handle.seek(offset)
+        chunk = handle.read()
+    complete = chunk[: chunk.rfind("\n") + 1]
+    records = [json.loads(line) for line in complete.splitlines() if line]
+    return records, offset + len(complete.encode("utf-8"))
+
+
+def pending_records(journal: Path) -> int:
+    """Records of the journal not in the tracking store yet (0 without a journal)."""
+    if not journal.is_file():
+        return 0
+    return len(read_journal(journal, shipped_offset(journal))[0])
+
+
+def append_records(journal: Path, records: list[dict]) -> None:
+    """Records added to a job's journal after its training ended (its helper is gone)."""
+    with journal.open("a", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+
+
+@contextlib.contextmanager
+def shipper_lock(journal: Path):
+    """One shipper per journal: a helper left over from a killed attempt finishes first."""
+    with open(journal.with_name(journal.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@dataclass(frozen=True)
+class Shipped:
+    records: int
+    checkpoints: int  # checkpoint copies among them (shipped as artifacts)
+
+
+def ship_pending(
+    tracking_uri: str,
+    run_id: str,
+    journal: Path,
+    *,
+    deadline: float | None = None,
+    actions: dict[str, Action] | None = None,
+) -> Shipped:
+    """Ship what the journal holds past its shipped offset, the way the job's helper
+    does (each value once), and move the offset on: for a job whose helper left records
+    behind (the server was down as training ended)."""
+    with shipper_lock(journal), fail_fast_requests():
+        offset = shipped_offset(journal)
+        records, end = read_journal(journal, offset)
+        if not records:
+            return Shipped(0, 0)
+        copies = sum(r["kind"] == "checkpoint" and Path(r["path"]).exists() for r in records)
+        mlflow_client = client(tracking_uri)
+        _ship_through_outages(
+            mlflow_client, run_id, records, {}, deadline=deadline, actions=actions
+        )
+        write_json(_shipped_file(journal), {"offset": end})
+        return Shipped(len(records), copies)
+
+
+def ship_records(tracking_uri: str, run_id: str, records: list[dict]) -> None:
+    """Journal-shaped records shipped straight away, with no journal (nothing kept if it
+    fails: for a run whose job folder is not on this machine)."""
+    _ship(client(tracking_uri), run_id, records, {})
+
+
+def _tracking_process(
+    tracking_uri: str, run_id: str, journal: str, writer_pid: int, outage_since=None
+) -> None:
     """Ship the journal to MLflow until its writer says `end` or dies."""
     # Fail fast per request and let `_ship_through_outages` say what it waits for,
     # instead of MLflow's own minutes of silent retries.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-    with open(journal + ".lock", "w") as lock:
-        # One shipper per job: a helper left over from a killed attempt finishes first.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    path = Path(journal)
+    with shipper_lock(path), fail_fast_requests():
         mlflow_client = client(tracking_uri)
         logged_until: dict[str, int] = {}
-        offset, done = 0, False
+        offset, done = shipped_offset(path), False
         while not done:
-            with open(journal, encoding="utf-8") as handle:
-                handle.seek(offset)
-                chunk = handle.read()
-            complete = chunk[: chunk.rfind("\n") + 1]  # a torn last line waits
-            offset += len(complete.encode("utf-8"))
-            records = [json.loads(line) for line in complete.splitlines() if line]
+            records, end = read_journal(path, offset)
             done = any(r["kind"] == "end" and r["writer"] == writer_pid for r in records)
             if records:
-                _ship_through_outages(mlflow_client, run_id, records, logged_until)
+                _ship_through_outages(
+                    mlflow_client, run_id, records, logged_until, outage_since=outage_since
+                )
+                write_json(_shipped_file(path), {"offset": end})
             elif not pid_alive(writer_pid):
                 return  # the writer was killed: all it wrote is shipped
             else:
                 time.sleep(0.5)
+            offset = end
 
 
 def _now_ms() -> int:
