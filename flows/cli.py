@@ -27,9 +27,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     root = find_project_root()
     # Validate before Prefect starts or anything is written: fail in a second, not ten.
-    load_config(Project(root).params, args.set)
+    cfg = load_config(Project(root).params, args.set)
     from flows.pipeline import pipeline
+    from tasks.watchdog import ensure_watchdogs
 
+    # Before the flow run starts: the server's automations act only on runs whose first
+    # events they saw (an event is held back while the one before it is unseen).
+    ensure_watchdogs(cfg.orchestrate.notify)
     with project_lock(root, wait=not args.no_wait):  # the flow holds it too (deployments)
         summary = pipeline(overrides=args.set, force=args.force, root=str(root))
     print(summary.describe())

@@ -166,3 +166,58 @@ def _heartbeats(client, flow_run_id) -> int:
         limit=50,
     )
     return len(events.events)
+
+
+def test_a_run_killed_on_a_temporary_server_leaks_nothing_the_next_run_needs(tmp_path) -> None:
+    # No PREFECT_API_URL: each run starts its own temporary Prefect server on one shared
+    # database, and no server-side service reclaims a dead run's slots there.
+    root = _project(
+        tmp_path / "gradline",
+        **{
+            "data.max_rows": 600,
+            "orchestrate.device_limit": "gradline-temporary-devices",
+            "orchestrate.device_slots": 1,
+        },
+    )
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    env = _env(root, "", GRADLINE_TEST_MARK=mark)
+    del env["PREFECT_API_URL"]
+    log_path = tmp_path / "first.log"
+    try:
+        with log_path.open("w") as log:
+            first = subprocess.Popen(
+                [str(BIN / "gradline"), "run"],
+                cwd=root,
+                env={**env, "GRADLINE_FAULT": "slow:rank=0:step=0:seconds=0.3"},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        output = log_path.read_text
+
+        def checkpointed() -> bool:
+            assert first.poll() is None, output()
+            return "holding 1 slots" in output() and any(root.glob("checkpoints/*/step-*[0-9]"))
+
+        _wait_for("the first run trains", checkpointed, 300, output)
+        for pid in _processes_marked(mark):  # all of it at once, its Prefect server too
+            os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        second = subprocess.run(
+            [str(BIN / "gradline"), "run"],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=500,
+        )
+        took = time.monotonic() - killed_at
+        out = second.stdout + second.stderr
+        assert second.returncode == 0, out[-6000:]
+        print(f"the next run got the dead run's slot and finished {took:.0f} s after the kill")
+        assert "waiting for 1 of 1 slots of device quota 'gradline-temporary-devices'" in out
+        assert "(resumed)" in out  # the dead run's job, continued from its checkpoint
+        assert _processes_marked(mark) == []
+    finally:
+        for pid in _processes_marked(mark):
+            os.kill(pid, signal.SIGKILL)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from training.atomic import atomic_dir
 from training.engine.jobdir import JobDir
 from training.errors import TrackingUnavailable
 from training.mlops.tracking import (
@@ -46,13 +47,21 @@ class JobShipment:
     shipped: Shipped
 
 
+PENDING_MODEL = ".mlflow-model"
+
+
 def defer_job_end(job: JobDir, model_dir: Path | None, generation: Generation) -> None:
     """Leave the end of a tracked job in its journal: its model (when it logs one) and
     the run's FINISHED status ship with the records before them."""
     records: list[dict] = []
     if model_dir is not None:
+        # A copy: model/ belongs to whichever job trains next, and this run must get the
+        # model it trained even when `gradline sync` comes after another training.
+        kept = job.path / PENDING_MODEL
+        with atomic_dir(kept) as staging:
+            shutil.copytree(model_dir, staging, dirs_exist_ok=True)
         gen = asdict(generation)
-        records.append({"kind": "model", "model_dir": str(model_dir), "generation": gen})
+        records.append({"kind": "model", "model_dir": str(kept), "generation": gen})
     records.append({"kind": "status", "status": "FINISHED"})
     append_records(job.journal, records)
 
@@ -108,10 +117,12 @@ def _model_logger(tracking_uri: str, run_id: str) -> Callable[[dict], None]:
         # Deferred: torch and the serving code load only when a model ships.
         from training.mlops.serving import log_pyfunc_model
 
-        if run_model_uri(tracking_uri, run_id) is not None:
-            return  # logged by a shipper cut short before it saved its offset
-        gen = {**record["generation"], "prompts": tuple(record["generation"]["prompts"])}
-        log_pyfunc_model(tracking_uri, run_id, Path(record["model_dir"]), Generation(**gen))
+        kept = Path(record["model_dir"])
+        if run_model_uri(tracking_uri, run_id) is None:  # else a shipper cut short logged it
+            gen = {**record["generation"], "prompts": tuple(record["generation"]["prompts"])}
+            log_pyfunc_model(tracking_uri, run_id, kept, Generation(**gen))
+        if kept.name == PENDING_MODEL:  # the job's own copy, not needed once logged
+            shutil.rmtree(kept, ignore_errors=True)
 
     return log_model
 
