@@ -7,7 +7,8 @@ automations, registered by `gradline serve`, `gradline deploy-train` and every r
 act on the server's side:
 
 - silence: a gradline flow run that missed three heartbeats is marked `Crashed`;
-- crash: a gradline flow run that ends `Crashed` is sent to the alert webhook;
+- crash: a gradline flow run that ends `Crashed` (a silent one included) is sent to
+  the alert webhook;
 - stale schedule: a served deployment with a schedule and no successful run for
   `orchestrate.stale_after_h` hours is sent to the alert webhook.
 
@@ -50,9 +51,10 @@ def heartbeat_s() -> int:
 
 def ensure_watchdogs(notify: str = "") -> list[str]:
     """Register (or update) the silence and crash automations; their names."""
-    names = [_upsert(silence_automation())]
-    if notify:
-        names.append(_upsert(crash_alert_automation(_webhook_block(notify))))
+    block = _webhook_block(notify) if notify else None
+    names = [_upsert(silence_automation(block))]
+    if block is not None:
+        names.append(_upsert(crash_alert_automation(block)))
     return names
 
 
@@ -83,8 +85,17 @@ def ensure_stale_alert(deployment_name: str, deployment_id: UUID, notify: str, h
     )
 
 
-def silence_automation() -> Automation:
+def silence_automation(block: UUID | None = None) -> Automation:
+    """Crash a silent run, and tell the webhook (`block`) itself: the Crashed event it
+    causes can reach the crash alert only after a quarter of an hour when the server
+    restarted since the run's last state (Prefect holds an event back until it has seen
+    the one before it, and forgets what it saw on a restart)."""
     period = heartbeat_s()
+    silent = f"no heartbeat for {MISSED_HEARTBEATS * period} s"
+    alert = (
+        f":boom: gradline flow run `{{{{ flow_run.name }}}}` crashed: {silent}, its process "
+        "died (killed, out of memory, or its machine was lost) (flow run {{ flow_run.id }})"
+    )
     return Automation(
         name=SILENCE,
         description=(
@@ -104,10 +115,10 @@ def silence_automation() -> Automation:
         actions=[
             ChangeFlowRunState(
                 state=StateType.CRASHED,
-                message=f"no heartbeat for {MISSED_HEARTBEATS * period} s: the process that "
-                "ran this flow died (killed, out of memory, or its machine was lost); run "
-                "again to resume from its last checkpoint",
-            )
+                message=f"{silent}: the process that ran this flow died (killed, out of "
+                "memory, or its machine was lost); run again to resume from its last checkpoint",
+            ),
+            *([CallWebhook(block_document_id=block, payload=_slack_json(alert))] if block else []),
         ],
     )
 
@@ -122,7 +133,13 @@ def crash_alert_automation(block: UUID) -> Automation:
         description="send gradline flow runs that crashed to the alert webhook",
         trigger=EventTrigger(
             expect={"prefect.flow-run.Crashed"},
-            match=_RUNS,
+            # Silent runs: the silence automation alerts on them itself.
+            match=ResourceSpecification(
+                {
+                    "prefect.resource.id": "prefect.flow-run.*",
+                    "prefect.state-message": "!no heartbeat*",
+                }
+            ),
             match_related=_OURS,
             posture=Posture.Reactive,
             threshold=1,

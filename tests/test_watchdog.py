@@ -221,3 +221,33 @@ def test_a_run_killed_on_a_temporary_server_leaks_nothing_the_next_run_needs(tmp
     finally:
         for pid in _processes_marked(mark):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_schedule_with_no_successful_run_is_reported_stale(tmp_path, monkeypatch) -> None:
+    # What `gradline serve` registers for a scheduled deployment, with a window of 11 s
+    # instead of two days; no run ever completes.
+    from prefect.schedules import Cron
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.deploy import _register_watchdogs
+    from flows.pipeline import pipeline
+
+    (home := tmp_path / "prefect-server").mkdir()
+    server = PrefectServer(home)
+    server.start()
+    root = _project(
+        tmp_path / "gradline",
+        **{"orchestrate.notify": "env:TEAM_WEBHOOK", "orchestrate.stale_after_h": 0.003},
+    )
+    try:
+        with WebhookReceiver() as hook, temporary_settings({PREFECT_API_URL: server.api}):
+            monkeypatch.setenv("TEAM_WEBHOOK", hook.url)
+            nightly = pipeline.to_deployment(name="nightly", schedules=[Cron("0 2 * * *")])
+            _register_watchdogs(root, [nightly])
+            (alert,), took = _wait_for("the stale alert", lambda: list(hook.bodies), 60)
+        print(f"stale schedule reported {took:.0f} s after registering (window 11 s)")
+        assert alert["text"].startswith(
+            ":hourglass: gradline deployment `gradline/nightly` has had no successful run"
+        )
+    finally:
+        server.stop()
