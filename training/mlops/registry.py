@@ -9,10 +9,15 @@ When the test split changed since the champion was evaluated, the champion is sc
 again on the current split. A champion that cannot take the current data (its input
 schema changed) is not comparable: the verdict says so, and the new version is judged
 against its baseline alone. The version's description says why it got its alias.
+
+Registrations of one model name may run at once (two projects, one MLflow server), and
+MLflow has no compare-and-set on aliases. So the gate runs as a queue ordered by version
+number (see `register_and_gate`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +33,14 @@ class Incompatible(Exception):
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 GATE_TAG = "gradline.gate"  # the alias the gate gave this version; set last
+# Registrations started together get their version numbers within this; a champion waits
+# this long before asking whether later registrations are still in flight.
+SETTLE_S = 1.0
+# An ungated version registered this long before another is taken as cut short (its
+# process died; it is gated on its next run), so it stops holding the queue.
+STALE_S = 300.0
+POLL_S = 0.2
+ROUNDS = 5  # take-backs from a worse holder before reporting whatever holds the alias
 
 
 @dataclass(frozen=True)
@@ -130,7 +143,25 @@ def register_and_gate(
     tags: dict[str, str] | None = None,
 ) -> Registration:
     """Register the run's model (once) and give it its alias. `rescore(model_uri)` scores
-    a champion on the current test split, or raises Incompatible."""
+    a champion on the current test split, or raises Incompatible.
+
+    Concurrent registrations of one name: the registry hands out version numbers one at
+    a time (distinct, increasing), so they order the registrants. Each gates only once
+    every earlier version still in flight carries its gate tag (set after its alias), so
+    the alias moves one registrant at a time, in version order, each against the
+    champion the previous one left: the last holder beats every earlier one on the same
+    test data, i.e. it is the best of them. A version that took `champion` waits
+    SETTLE_S and then until no later version is in flight, and reads the alias again:
+    if another version holds it, it is gated again against that one (a better model
+    takes it back, a worse one becomes challenger and says so). So only the version
+    holding `champion` when this returns reports it, and its run alone sends "new
+    champion". What remains: a registration that gets its version after a champion's
+    last look gates against that champion like any later run (two reports, both true in
+    turn); an ungated version older than STALE_S (a crashed run, or a champion
+    re-scored for longer than that) no longer holds the queue, so its gate may overlap
+    another's, and the re-read after the alias moved settles it, but only for the
+    overlaps it still sees; and a writer outside gradline can move the alias at will.
+    """
     import mlflow
 
     # Set first: `rescore` loads the champion through these URIs.
@@ -150,24 +181,101 @@ def register_and_gate(
             mlflow_client.set_model_version_tag(model_name, version.version, GATE_TAG, CHAMPION)
             done = version.description or CHAMPION
             return Registration(model_name, int(version.version), CHAMPION, score, None, done)
-    champion, champion_score, why_not = _champion_score(
-        mlflow_client, model_name, score.metric, test_digest, rescore
-    )
     tags = {"gradline.run_id": run_id, **(tags or {})}
     if version is None:
         version = mlflow.register_model(model_uri, model_name, tags=tags)
-    alias, verdict = decide(score, champion, champion_score, why_not)
     for key, value in (
         (score.metric, score.value),
         (f"baseline_{score.metric}", score.baseline),
     ):
         mlflow_client.set_model_version_tag(model_name, version.version, key, f"{value:.6g}")
-    mlflow_client.update_model_version(
-        model_name, version.version, description=_describe(tags, verdict)
-    )
-    mlflow_client.set_registered_model_alias(model_name, alias, version.version)
-    mlflow_client.set_model_version_tag(model_name, version.version, GATE_TAG, alias)
-    return Registration(model_name, int(version.version), alias, score, champion_score, verdict)
+    gate = _Gate(mlflow_client, model_name, version.version, score, test_digest, rescore, tags)
+    gate.wait_for(lambda other: other < gate.version)
+    alias, verdict, champion_score = gate.run()
+    if alias == CHAMPION:
+        alias, verdict, champion_score = gate.hold((alias, verdict, champion_score))
+    return Registration(model_name, gate.version, alias, score, champion_score, verdict)
+
+
+class _Gate:
+    """One version's way through the gate queue (see `register_and_gate`)."""
+
+    def __init__(self, mlflow_client, model_name, version, score, test_digest, rescore, tags):
+        self.client, self.model_name, self.score = mlflow_client, model_name, score
+        self.version = int(version)
+        self.test_digest, self.rescore, self.tags = test_digest, rescore, tags
+        # Says who is ahead while it waits, and stamps the server's clock on the version:
+        # versions' ages are measured on that clock, not this machine's.
+        self._describe(f"gate pending: waiting for registrations of {model_name} ahead")
+        stamped = mlflow_client.get_model_version(model_name, str(self.version))
+        self._server_ms, self._local = stamped.last_updated_timestamp, time.monotonic()
+
+    def _now_ms(self) -> float:
+        return self._server_ms + (time.monotonic() - self._local) * 1000
+
+    def in_flight(self) -> list[int]:
+        """Other versions of the model without a gate tag yet, registered within STALE_S."""
+        recent = [
+            found.version
+            for found in self.client.search_model_versions(f"name='{self.model_name}'")
+            if int(found.version) != self.version
+            and self._now_ms() - found.creation_timestamp < STALE_S * 1000
+        ]
+        # Search results leave tags out: ask the few recent versions themselves.
+        return sorted(
+            int(number)
+            for number in recent
+            if GATE_TAG not in self.client.get_model_version(self.model_name, number).tags
+        )
+
+    def wait_for(self, which: Callable[[int], bool]) -> None:
+        """Wait until no version picked by `which` is in flight (at most STALE_S: each
+        drops out of `in_flight` by then anyway)."""
+        deadline = time.monotonic() + STALE_S
+        while any(which(other) for other in self.in_flight()) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+    def run(self) -> tuple[str, str, float | None]:
+        """Gate against whoever holds `champion` now; move the alias, then the gate tag."""
+        champion, champion_score, why_not = _champion_score(
+            self.client, self.model_name, self.score.metric, self.test_digest, self.rescore
+        )
+        alias, verdict = decide(self.score, champion, champion_score, why_not)
+        self._describe(verdict)
+        self.client.set_registered_model_alias(self.model_name, alias, self.version)
+        self.client.set_model_version_tag(self.model_name, self.version, GATE_TAG, alias)
+        return alias, verdict, champion_score
+
+    def hold(self, result: tuple[str, str, float | None]) -> tuple[str, str, float | None]:
+        """After taking `champion` (`result`): let the registrations behind it gate, then
+        report `champion` only if this version still holds it; otherwise gate against
+        the holder (take it back from a worse one, and look again)."""
+        for _ in range(ROUNDS):
+            time.sleep(SETTLE_S)
+            self.wait_for(lambda other: other > self.version)
+            holder = self.client.get_model_version_by_alias(self.model_name, CHAMPION)
+            if int(holder.version) == self.version:
+                return result
+            result = self.run()
+            if result[0] != CHAMPION:
+                return result
+        return self._holding(result)
+
+    def _holding(self, last: tuple[str, str, float | None]) -> tuple[str, str, float | None]:
+        """The alias as it stands after ROUNDS take-backs (two holders scoring each other
+        on different test data can each find the other worse)."""
+        holder = self.client.get_model_version_by_alias(self.model_name, CHAMPION)
+        if int(holder.version) == self.version:
+            return last
+        verdict = f"challenger: v{holder.version} holds champion after {ROUNDS} take-backs"
+        self._describe(verdict)
+        self.client.set_model_version_tag(self.model_name, self.version, GATE_TAG, CHALLENGER)
+        return CHALLENGER, verdict, last[2]
+
+    def _describe(self, verdict: str) -> None:
+        self.client.update_model_version(
+            self.model_name, self.version, description=_describe(self.tags, verdict)
+        )
 
 
 def version_of_run(mlflow_client, model_name: str, run_id: str):
