@@ -10,11 +10,9 @@ import multiprocessing
 import random
 
 import pytest
-import torch
 
+from tests.test_registry import _trained
 from tests.test_tracking_outage import Server
-from training.config import ModelConfig
-from training.data.spec import DataSpec
 from training.mlops.registry import (
     CHAMPION,
     GATE_TAG,
@@ -22,18 +20,13 @@ from training.mlops.registry import (
     Score,
     register_and_gate,
 )
-from training.mlops.serving import log_pyfunc_model
-from training.mlops.tracking import TAG_TEST_DIGEST, client, ensure_experiment
-from training.models.folder import ModelSpec, save_model_dir
-from training.models.registry import build_model
+from training.mlops.tracking import client, ensure_experiment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 NAME = "race-test"
 DIGEST = "test-split-a"
 BASELINE = 0.5
-DATA = DataSpec("table", feature_shape=(4,), num_classes=2)
-MLP = ModelConfig(name="mlp", hidden=8, depth=1)
 
 
 @pytest.fixture
@@ -46,16 +39,7 @@ def server(tmp_path):
 
 def _logged(uri: str, experiment: str, tmp_path, accuracy: float) -> tuple[str, str]:
     """A logged model whose run says it scored `accuracy` on the test split."""
-    mlflow = client(uri)
-    run_id = mlflow.create_run(experiment).info.run_id
-    torch.manual_seed(int(accuracy * 1000))
-    folder = tmp_path / f"model-{run_id}"
-    model = build_model(MLP, "classification", DATA)
-    save_model_dir(model, ModelSpec("classification", MLP.model_dump(), DATA.to_dict()), folder)
-    model_uri = log_pyfunc_model(uri, run_id, folder, {})
-    mlflow.log_metric(run_id, "test_accuracy", accuracy)
-    mlflow.set_tag(run_id, TAG_TEST_DIGEST, DIGEST)
-    return run_id, model_uri
+    return _trained((uri, experiment, tmp_path), accuracy, DIGEST)
 
 
 def _never(_uri: str) -> float:
