@@ -17,7 +17,12 @@ from pathlib import Path
 
 from flows.environment import apply_offline_defaults
 from flows.supervise import SUPERVISED_ENV, supervise
-from training.errors import ERROR_FILE_ENV, GradlineError, as_user_error
+from training.errors import (
+    ERROR_FILE_ENV,
+    GradlineError,
+    OrchestratorUnreachable,
+    as_user_error,
+)
 from training.lock import project_lock
 
 
@@ -28,6 +33,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     root = find_project_root()
     # Validate before Prefect starts or anything is written: fail in a second, not ten.
     cfg = load_config(Project(root).params, args.set)
+    import httpx
+
     from flows.pipeline import pipeline
     from tasks.watchdog import ensure_watchdogs
 
@@ -35,9 +42,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # events they saw (an event is held back while the one before it is unseen).
     ensure_watchdogs(cfg.orchestrate.notify)
     with project_lock(root, wait=not args.no_wait):  # the flow holds it too (deployments)
-        summary = pipeline(overrides=args.set, force=args.force, root=str(root))
+        try:
+            summary = pipeline(overrides=args.set, force=args.force, root=str(root))
+        except httpx.TransportError as exc:
+            raise prefect_unreachable(exc) from exc
     print(summary.describe())
     return 0
+
+
+def prefect_unreachable(exc: Exception) -> OrchestratorUnreachable:
+    """What a run that lost the Prefect API kept, and how to go on."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    retries = settings.client.max_retries
+    return OrchestratorUnreachable(
+        f"the Prefect API at {settings.api.url or 'the temporary server'} stopped answering "
+        f"({type(exc).__name__}: {exc}) and did not come back within the client's "
+        f"{retries} retries (about {2 ** (retries + 1) - 2} s; PREFECT_CLIENT_MAX_RETRIES). "
+        "What finished is kept: the stages dvc.lock records, training's checkpoints. The "
+        "flow run stays Running in Prefect until the server's watchdog marks it Crashed. "
+        "When the server answers again, run `gradline run` again: finished stages are "
+        "skipped and training resumes from its last checkpoint"
+    )
 
 
 def _cmd_compare_updates(args: argparse.Namespace) -> int:

@@ -25,6 +25,9 @@ OFFLINE_DEFAULTS = {
     # What the server's automations have seen is kept in its database, so an event after
     # a restart (a dead run marked Crashed) is not held back waiting for one before it.
     "PREFECT_SERVER_EVENTS_CAUSAL_ORDERING": "prefect.server.events.ordering.db",
+    # A Prefect server restarting or down for a while is waited out, not fatal: the
+    # client retries a lost connection with doubling waits, 2 s to 512 s (~17 minutes).
+    "PREFECT_CLIENT_MAX_RETRIES": "9",
     # Flow runs tell the server they live (every 30 s, Prefect's minimum); silence marks
     # them Crashed (tasks/watchdog.py).
     "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",

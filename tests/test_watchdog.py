@@ -70,6 +70,22 @@ class PrefectServer:
         return SyncPrefectClient(api=self.api)
 
 
+@pytest.fixture
+def prefect_server(tmp_path):
+    yield from running_prefect_server(tmp_path)
+
+
+def running_prefect_server(tmp_path):
+    """A started PrefectServer, stopped after the test whatever happens in it."""
+    (home := tmp_path / "prefect-server").mkdir()
+    server = PrefectServer(home)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def _wait_for(what: str, check, seconds: float, context=lambda: ""):
     """Poll `check` until it returns something true; that value and the seconds taken."""
     start = time.monotonic()
@@ -80,10 +96,10 @@ def _wait_for(what: str, check, seconds: float, context=lambda: ""):
     return value, time.monotonic() - start
 
 
-def test_a_run_killed_without_a_word_frees_its_slots_is_crashed_and_alerts(tmp_path) -> None:
-    (home := tmp_path / "prefect-server").mkdir()
-    server = PrefectServer(home)
-    server.start()
+def test_a_run_killed_without_a_word_frees_its_slots_is_crashed_and_alerts(
+    tmp_path, prefect_server
+) -> None:
+    server = prefect_server
     limit, lease_s = "gradline-lease-devices", 60  # the server's shortest lease
     root = _project(
         tmp_path / "gradline",
@@ -152,7 +168,6 @@ def test_a_run_killed_without_a_word_frees_its_slots_is_crashed_and_alerts(tmp_p
     finally:
         for pid in _processes_marked(mark):
             os.kill(pid, signal.SIGKILL)
-        server.stop()
 
 
 def _heartbeats(client, flow_run_id) -> int:
@@ -223,7 +238,9 @@ def test_a_run_killed_on_a_temporary_server_leaks_nothing_the_next_run_needs(tmp
             os.kill(pid, signal.SIGKILL)
 
 
-def test_a_schedule_with_no_successful_run_is_reported_stale(tmp_path, monkeypatch) -> None:
+def test_a_schedule_with_no_successful_run_is_reported_stale(
+    tmp_path, monkeypatch, prefect_server
+) -> None:
     # What `gradline serve` registers for a scheduled deployment, with a window of 11 s
     # instead of two days; no run ever completes.
     from prefect.schedules import Cron
@@ -232,22 +249,17 @@ def test_a_schedule_with_no_successful_run_is_reported_stale(tmp_path, monkeypat
     from flows.deploy import _register_watchdogs
     from flows.pipeline import pipeline
 
-    (home := tmp_path / "prefect-server").mkdir()
-    server = PrefectServer(home)
-    server.start()
+    server = prefect_server
     root = _project(
         tmp_path / "gradline",
         **{"orchestrate.notify": "env:TEAM_WEBHOOK", "orchestrate.stale_after_h": 0.003},
     )
-    try:
-        with WebhookReceiver() as hook, temporary_settings({PREFECT_API_URL: server.api}):
-            monkeypatch.setenv("TEAM_WEBHOOK", hook.url)
-            nightly = pipeline.to_deployment(name="nightly", schedules=[Cron("0 2 * * *")])
-            _register_watchdogs(root, [nightly])
-            (alert,), took = _wait_for("the stale alert", lambda: list(hook.bodies), 60)
-        print(f"stale schedule reported {took:.0f} s after registering (window 11 s)")
-        assert alert["text"].startswith(
-            ":hourglass: gradline deployment `gradline/nightly` has had no successful run"
-        )
-    finally:
-        server.stop()
+    with WebhookReceiver() as hook, temporary_settings({PREFECT_API_URL: server.api}):
+        monkeypatch.setenv("TEAM_WEBHOOK", hook.url)
+        nightly = pipeline.to_deployment(name="nightly", schedules=[Cron("0 2 * * *")])
+        _register_watchdogs(root, [nightly])
+        (alert,), took = _wait_for("the stale alert", lambda: list(hook.bodies), 60)
+    print(f"stale schedule reported {took:.0f} s after registering (window 11 s)")
+    assert alert["text"].startswith(
+        ":hourglass: gradline deployment `gradline/nightly` has had no successful run"
+    )

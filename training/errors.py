@@ -56,6 +56,14 @@ class RemotePushFailed(GradlineError):
         self.exit_code = PREEMPTED_EXIT_CODE if retryable else USER_ERROR_EXIT_CODE
 
 
+class OrchestratorUnreachable(GradlineError):
+    """The Prefect API stopped answering mid-run, for longer than its client waits. What
+    finished is kept; running again once it answers skips it and resumes training."""
+
+    exit_code = PREEMPTED_EXIT_CODE  # try again later
+    retryable = True
+
+
 class TrackingUnavailable(TrackingError):
     """The tracking server did not answer in the time given. Nothing is lost: the job's
     records wait in its journal on disk until `gradline sync` ships them. Running the
