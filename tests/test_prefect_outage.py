@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,18 @@ SLOW = "slow:rank=0:step=0:seconds=0.3"  # training outlasts the outage, or the 
 @pytest.fixture
 def prefect_server(tmp_path):
     yield from running_prefect_server(tmp_path)
+
+
+def _describe(pids: list[int]) -> str:
+    lines = []
+    for pid in pids:
+        try:
+            lines.append(
+                f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes().replace(bytes(1), b' ')!r}"
+            )
+        except OSError:
+            continue
+    return "\n".join(lines)
 
 
 def _start_run(root, server, tmp_path, mark: str, **extra: str):
@@ -147,8 +160,13 @@ def test_a_cancel_from_prefect_stops_a_served_run_and_the_next_run_resumes(
         output = serve_log.read_text()
         assert "stopped on request at step" in output, output[-6000:]  # checkpointed first
         stopped_step = int(output.split("stopped on request at step ")[1].split(";")[0])
-        # Nothing of the run is left: only `gradline serve` itself carries the mark.
-        assert _processes_marked(mark) == [serve.pid]
+        # Nothing of the run is left, soon: only `gradline serve` itself carries the mark.
+        _wait_for(
+            "the run's processes end",
+            lambda: _processes_marked(mark) == [serve.pid],
+            30,
+            lambda: _describe(_processes_marked(mark)),
+        )
         serve.send_signal(signal.SIGINT)  # Ctrl-C to serve: it ends, and nothing of it stays
         serve.wait(timeout=60)
         assert _processes_marked(mark) == []
