@@ -37,6 +37,21 @@ def _describe(pids: list[int]) -> str:
     return "\n".join(lines)
 
 
+def _run_again(root, server) -> str:
+    """`gradline run` to its end, which must be a success; its output."""
+    again = subprocess.run(
+        [str(BIN / "gradline"), "run"],
+        cwd=root,
+        env=_env(root, server.api),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-6000:]
+    return out
+
+
 def _start_run(root, server, tmp_path, mark: str, **extra: str):
     log_path = tmp_path / f"{root.name}.log"
     with log_path.open("w") as log:
@@ -83,16 +98,7 @@ def test_prefect_server_outages_during_training(tmp_path, prefect_server) -> Non
         assert "run `gradline run` again" in output
         assert _processes_marked(mark) == []  # nothing of the run goes on
         server.start()
-        again = subprocess.run(
-            [str(BIN / "gradline"), "run"],
-            cwd=root,
-            env=_env(root, server.api),
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
-        out = again.stdout + again.stderr
-        assert again.returncode == 0, out[-6000:]
+        out = _run_again(root, server)
         # Training had finished (DVC recorded it) or resumes: never from step 0 again.
         assert "Stage 'train' didn't change, skipping" in out or "(resumed)" in out, out[-6000:]
     finally:
@@ -170,16 +176,7 @@ def test_a_cancel_from_prefect_stops_a_served_run_and_the_next_run_resumes(
         serve.send_signal(signal.SIGINT)  # Ctrl-C to serve: it ends, and nothing of it stays
         serve.wait(timeout=60)
         assert _processes_marked(mark) == []
-        again = subprocess.run(
-            [str(BIN / "gradline"), "run"],
-            cwd=root,
-            env=_env(root, server.api),
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
-        out = again.stdout + again.stderr
-        assert again.returncode == 0, out[-6000:]
+        out = _run_again(root, server)
         assert f"at step {stopped_step}" in out, out[-6000:]  # resumed where it stopped
     finally:
         for pid in _processes_marked(mark):

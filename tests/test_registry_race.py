@@ -11,8 +11,8 @@ import random
 
 import pytest
 
+from tests import test_tracking_outage
 from tests.test_registry import _trained
-from tests.test_tracking_outage import Server
 from training.mlops.registry import (
     CHAMPION,
     GATE_TAG,
@@ -25,16 +25,9 @@ from training.mlops.tracking import client, ensure_experiment
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 NAME = "race-test"
+server = test_tracking_outage.server  # the fixture: a real mlflow server on 127.0.0.1
 DIGEST = "test-split-a"
 BASELINE = 0.5
-
-
-@pytest.fixture
-def server(tmp_path):
-    served = Server(tmp_path)
-    served.start()
-    yield served
-    served.stop()
 
 
 def _logged(uri: str, experiment: str, tmp_path, accuracy: float) -> tuple[str, str]:
