@@ -276,12 +276,16 @@ def _add_run(sub) -> None:
         action="store_true",
         help="run every stage even when data, params and code are unchanged",
     )
-    run.add_argument(
+    _add_no_wait(run)
+    run.set_defaults(func=_cmd_run)
+
+
+def _add_no_wait(parser) -> None:
+    parser.add_argument(
         "--no-wait",
         action="store_true",
         help="exit (code 2) at once if another run holds the project, instead of waiting",
     )
-    run.set_defaults(func=_cmd_run)
 
 
 def _add_compare(sub) -> None:
@@ -317,11 +321,7 @@ def _add_compare(sub) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override a params.yaml value for this comparison only (repeatable)",
     )
-    compare.add_argument(
-        "--no-wait",
-        action="store_true",
-        help="exit (code 2) at once if another run holds the project, instead of waiting",
-    )
+    _add_no_wait(compare)
     compare.set_defaults(func=_cmd_compare_updates)
 
 
@@ -331,11 +331,7 @@ def _add_example(sub) -> None:
     )
     example.add_argument("name", nargs="?", help="the example's name")
     example.add_argument("--list", action="store_true", help="list the examples")
-    example.add_argument(
-        "--no-wait",
-        action="store_true",
-        help="exit (code 2) at once if another run holds the project, instead of waiting",
-    )
+    _add_no_wait(example)
     example.set_defaults(func=_cmd_example)
 
 
@@ -390,11 +386,7 @@ def _add_sync(sub) -> None:
         "the trained model as `gradline run` would. Run it once the server is back; "
         "running it again changes nothing. Exit code 2 if the server does not answer.",
     )
-    sync.add_argument(
-        "--no-wait",
-        action="store_true",
-        help="exit (code 2) at once if another run holds the project, instead of waiting",
-    )
+    _add_no_wait(sync)
     sync.set_defaults(func=_cmd_sync)
 
 
@@ -414,11 +406,7 @@ def _add_stage(sub) -> None:
     evaluate = stage_sub.add_parser("evaluate")
     for flag in ("--model", "--shards", "--result", "--metrics", "--plots"):
         evaluate.add_argument(flag, required=True)
-    stage.add_argument(
-        "--no-wait",
-        action="store_true",
-        help="exit (code 2) at once if another run holds the project, instead of waiting",
-    )
+    _add_no_wait(stage)
     stage.set_defaults(func=_cmd_stage)
 
 

@@ -259,6 +259,10 @@ def retry_unless_lasting(task, task_run, state) -> bool:
     return is_retryable(state.result(raise_on_failure=False))
 
 
+# Each push task: two retries, for what a retry can fix.
+PUSH_RETRIES = dict(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_lasting)
+
+
 def push_to_remote(root: Path, *targets: str) -> None:
     """`dvc push` of the targets' cached outputs (every stage's when none) to the default
     remote; a failure is a RemotePushFailed naming the remote, the cause and the fix."""
@@ -295,9 +299,7 @@ def _count_missing(root: Path, targets: tuple[str, ...]) -> int | None:
 @task(
     name="dvc-push-data",
     task_run_name="dvc-push-data",
-    retries=2,
-    retry_delay_seconds=2,
-    retry_condition_fn=retry_unless_lasting,
+    **PUSH_RETRIES,
 )
 def push_data(root: str) -> str:
     """Push the ingested snapshot to the DVC remote; return its data version (md5)."""
@@ -308,9 +310,7 @@ def push_data(root: str) -> str:
 @task(
     name="dvc-push",
     task_run_name="dvc-push-{stage}",
-    retries=2,
-    retry_delay_seconds=2,
-    retry_condition_fn=retry_unless_lasting,
+    **PUSH_RETRIES,
 )
 def push_outputs(root: str, stage: str) -> None:
     """Push a stage's cached outputs (as dvc.lock records them) to the DVC remote."""
@@ -320,9 +320,7 @@ def push_outputs(root: str, stage: str) -> None:
 @task(
     name="push",
     task_run_name="push",
-    retries=2,
-    retry_delay_seconds=2,
-    retry_condition_fn=retry_unless_lasting,
+    **PUSH_RETRIES,
 )
 def push_all(root: str) -> None:
     """Push every cached output dvc.lock records (data, shards, model) to the default

@@ -287,11 +287,14 @@ def _ship(
             metrics.append(Metric(key, float(value), stamp, step))
             logged_until[key] = step
 
+    held: dict[str, set[tuple[int, float]]] = {}  # read once per key
+
     def replace(key: str, value: float, stamp: int, step: int) -> None:
         # An evaluation may give a step a new value (evaluated again); the same value
         # already there is this record shipped before.
-        held = {(m.step, m.value) for m in mlflow_client.get_metric_history(run_id, key)}
-        if (step, float(value)) not in held:
+        if key not in held:
+            held[key] = {(m.step, m.value) for m in mlflow_client.get_metric_history(run_id, key)}
+        if (step, float(value)) not in held[key]:
             metrics.append(Metric(key, float(value), stamp, step))
 
     metrics, tags, status = [], [], None
