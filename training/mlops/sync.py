@@ -24,6 +24,7 @@ from training.errors import TrackingUnavailable
 from training.mlops.tracking import (
     Shipped,
     append_records,
+    checkpoint_copies,
     client,
     pending_records,
     read_journal,
@@ -191,7 +192,7 @@ def _kept(tracking_uri: str, checkpoints: Path, wait_s: float, then: str) -> str
 
 def _job_text(job: JobDir) -> str:
     waiting, _ = read_journal(job.journal, shipped_offset(job.journal))
-    copies = sum(r["kind"] == "checkpoint" and Path(r["path"]).exists() for r in waiting)
+    copies = checkpoint_copies(waiting)
     return (
         f"job {job.path.name} (its checkpoints, and a journal of {len(waiting)} records not yet in "
         f"MLflow, {copies} of them checkpoint copies)"

@@ -484,6 +484,11 @@ def shipper_lock(journal: Path):
         yield
 
 
+def checkpoint_copies(records: list[dict]) -> int:
+    """Checkpoint copies among journal records still waiting on disk to ship."""
+    return sum(r["kind"] == "checkpoint" and Path(r["path"]).exists() for r in records)
+
+
 @dataclass(frozen=True)
 class Shipped:
     records: int
@@ -506,7 +511,7 @@ def ship_pending(
         records, end = read_journal(journal, offset)
         if not records:
             return Shipped(0, 0)
-        copies = sum(r["kind"] == "checkpoint" and Path(r["path"]).exists() for r in records)
+        copies = checkpoint_copies(records)
         mlflow_client = client(tracking_uri)
         _ship_through_outages(
             mlflow_client, run_id, records, {}, deadline=deadline, actions=actions
