@@ -472,14 +472,18 @@ def launch_overrides(args: argparse.Namespace) -> list[str]:
 
 
 # Commands whose work runs under a supervisor, so that a signal reaches their whole tree.
-SUPERVISED_COMMANDS = ("run", "compare-updates")
+# `serve` too: Prefect starts each served run in serve's own process group, where a
+# terminal's Ctrl-C would reach every process of the run at once.
+SUPERVISED_COMMANDS = ("run", "compare-updates", "serve")
 
 
 def main(argv: list[str] | None = None) -> int:
     apply_offline_defaults()
     args = build_parser().parse_args(argv)
     if args.command in SUPERVISED_COMMANDS and not os.environ.get(SUPERVISED_ENV):
-        return supervise(sys.argv[1:] if argv is None else argv, _stop_grace_s())
+        argv = sys.argv[1:] if argv is None else argv
+        # A stop is how a server normally ends: its own exit code, not 128 + the signal.
+        return supervise(argv, _stop_grace_s(), signal_code=args.command != "serve")
     try:
         return args.func(args)
     except BrokenPipeError:  # `gradline lineage ... | head`: the reader has had enough

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefect import serve
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.schedules import CronSchedule
 from prefect.exceptions import ObjectNotFound
@@ -22,6 +21,7 @@ from prefect.utilities.callables import parameter_schema
 
 from flows import train_pool
 from flows.pipeline import pipeline
+from flows.served_runs import serve_until_stopped
 from flows.train_pool import deployment_name, train_stage
 from tasks.watchdog import ensure_stale_alert, ensure_watchdogs
 from training.config import load_config, read_yaml_mapping
@@ -142,7 +142,7 @@ def serve_deployments(root: Path, names: list[str]) -> None:
         for spec in specs
     ]
     _register_watchdogs(root, deployments)
-    serve(*deployments, limit=1)
+    serve_until_stopped(*deployments, limit=1)
 
 
 def _register_watchdogs(root: Path, deployments: list) -> None:

@@ -27,9 +27,10 @@ SUPERVISED_ENV = "GRADLINE_SUPERVISED"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def supervise(argv: list[str], grace_s: float) -> int:
+def supervise(argv: list[str], grace_s: float, signal_code: bool = True) -> int:
     """Run `gradline argv` in its own session; pass a stop on; the command's exit code,
-    or 128 + the signal's number when a signal stopped it."""
+    or 128 + the signal's number when a signal stopped it (with `signal_code`; without,
+    as for a server whose normal end is a stop, the command's own code)."""
     env = {**os.environ, SUPERVISED_ENV: "1"}
     command = [sys.executable, "-m", "flows.cli", *argv]
     child = subprocess.Popen(command, env=env, start_new_session=True)
@@ -55,7 +56,7 @@ def supervise(argv: list[str], grace_s: float) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _kill_session(child.pid)  # whatever the command left behind
-    return 128 + stops[0] if stops else code
+    return 128 + stops[0] if stops and signal_code else code
 
 
 def _wait(child: subprocess.Popen, stops: list[int], grace_s: float) -> int:

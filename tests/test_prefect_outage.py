@@ -6,6 +6,7 @@ training checkpoints first, and the next run resumes)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -26,15 +27,7 @@ def prefect_server(tmp_path):
 
 
 def _describe(pids: list[int]) -> str:
-    lines = []
-    for pid in pids:
-        try:
-            lines.append(
-                f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes().replace(bytes(1), b' ')!r}"
-            )
-        except OSError:
-            continue
-    return "\n".join(lines)
+    return "\n".join(f"{pid}: {b' '.join(argv)!r}" for pid in pids if (argv := _argv(pid)))
 
 
 def _run_again(root, server) -> str:
@@ -106,11 +99,12 @@ def test_prefect_server_outages_during_training(tmp_path, prefect_server) -> Non
             os.kill(pid, signal.SIGKILL)
 
 
-def test_a_cancel_from_prefect_stops_a_served_run_and_the_next_run_resumes(
+def test_a_served_run_stopped_by_a_cancel_or_by_ctrl_c_to_serve_resumes(
     tmp_path, prefect_server
 ) -> None:
-    from prefect.exceptions import ObjectNotFound
-
+    """A cancel from Prefect stops a served run; the next served run resumes it; Ctrl-C
+    to `gradline serve` (SIGINT to its process group, as a terminal sends it; SIGTERM
+    takes the same path) cancels that one too, and `gradline run` resumes it."""
     server = prefect_server
     root = _project(tmp_path / "served", **{"data.max_rows": 600})
     mark = f"{os.getpid()}-{time.monotonic_ns()}"
@@ -119,65 +113,109 @@ def test_a_cancel_from_prefect_stops_a_served_run_and_the_next_run_resumes(
         serve = subprocess.Popen(
             [str(BIN / "gradline"), "serve"],
             cwd=root,
-            env=_env(
-                root,
-                server.api,
-                GRADLINE_TEST_MARK=mark,
-                GRADLINE_FAULT="slow:rank=0:step=0:seconds=0.3",
-            ),
+            env=_env(root, server.api, GRADLINE_TEST_MARK=mark, GRADLINE_FAULT=SLOW),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
         with server.client() as client:
-
-            def deployment():
-                assert serve.poll() is None, serve_log.read_text()
-                try:
-                    return client.read_deployment_by_name("gradline/nightly")
-                except ObjectNotFound:
-                    return None
-
-            nightly, _ = _wait_for("the deployment is served", deployment, 120)
-            flow_run = client.create_flow_run_from_deployment(nightly.id)
-
-            def training() -> bool:
-                assert serve.poll() is None, serve_log.read_text()
-                return any(root.glob("checkpoints/*/step-*[0-9]"))
-
-            _wait_for("the served run trains", training, 300, serve_log.read_text)
+            served = _Served(serve, serve_log, client, root)
+            first = served.start_run(after_step=0)
             cancel = subprocess.run(
-                [str(BIN / "prefect"), "flow-run", "cancel", str(flow_run.id)],
+                [str(BIN / "prefect"), "flow-run", "cancel", str(first)],
                 env=_env(root, server.api),
                 capture_output=True,
                 text=True,
                 timeout=60,
             )
             assert cancel.returncode == 0, cancel.stdout + cancel.stderr
-            state = lambda: client.read_flow_run(flow_run.id).state  # noqa: E731
-            _, took = _wait_for(
-                "the run is Cancelled",
-                lambda: state().type.value == "CANCELLED",
-                180,
-                serve_log.read_text,
-            )
-        print(f"a cancel from Prefect stopped the served run in {took:.1f} s")
-        output = serve_log.read_text()
-        assert "stopped on request at step" in output, output[-6000:]  # checkpointed first
-        stopped_step = int(output.split("stopped on request at step ")[1].split(";")[0])
-        # Nothing of the run is left, soon: only `gradline serve` itself carries the mark.
-        _wait_for(
-            "the run's processes end",
-            lambda: _processes_marked(mark) == [serve.pid],
-            30,
-            lambda: _describe(_processes_marked(mark)),
-        )
-        serve.send_signal(signal.SIGINT)  # Ctrl-C to serve: it ends, and nothing of it stays
-        serve.wait(timeout=60)
-        assert _processes_marked(mark) == []
+            took = served.wait_cancelled(first)
+            print(f"a cancel from Prefect stopped the served run in {took:.1f} s")
+            first_stop = served.stopped_step(0)
+            served.wait_only_serve_left(mark)
+
+            second = served.start_run(after_step=first_stop)
+            assert _resumed_at(served.output(), first_stop), served.output()[-6000:]
+            os.killpg(serve.pid, signal.SIGINT)  # Ctrl-C in serve's terminal
+            assert serve.wait(timeout=120) == 0, served.output()[-6000:]
+            assert client.read_flow_run(second).state.type.value == "CANCELLED"
+            second_stop = served.stopped_step(1)
+            assert second_stop > first_stop
+        assert _processes_marked(mark) == []  # nothing of serve or its runs goes on
         out = _run_again(root, server)
-        assert f"at step {stopped_step}" in out, out[-6000:]  # resumed where it stopped
+        assert _resumed_at(out, second_stop), out[-6000:]  # where it stopped
     finally:
         for pid in _processes_marked(mark):
             os.kill(pid, signal.SIGKILL)
+
+
+def _resumed_at(output: str, step: int) -> bool:
+    return re.search(rf"resumed from \S+ at step {step}\b", output) is not None
+
+
+class _Served:
+    """`gradline serve` under test: runs of its `nightly` deployment, and its output."""
+
+    def __init__(self, serve: subprocess.Popen, log: Path, client, root: Path) -> None:
+        self.serve, self.log, self.client, self.root = serve, log, client, root
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def start_run(self, after_step: int):
+        """A run of the deployment, once it has checkpointed beyond `after_step`."""
+        from prefect.exceptions import ObjectNotFound
+
+        def deployment():
+            assert self.serve.poll() is None, self.output()[-6000:]
+            try:
+                return self.client.read_deployment_by_name("gradline/nightly")
+            except ObjectNotFound:
+                return None
+
+        nightly, _ = _wait_for("the deployment is served", deployment, 120)
+        flow_run = self.client.create_flow_run_from_deployment(nightly.id)
+
+        def trained_beyond() -> bool:
+            assert self.serve.poll() is None, self.output()[-6000:]
+            steps = [int(p.name.split("-")[1]) for p in self.root.glob("checkpoints/*/step-*[0-9]")]
+            return max(steps, default=-1) > after_step
+
+        _wait_for("the served run trains", trained_beyond, 300, self.output)
+        return flow_run.id
+
+    def wait_cancelled(self, flow_run_id) -> float:
+        state = lambda: self.client.read_flow_run(flow_run_id).state  # noqa: E731
+        _, took = _wait_for(
+            "the run is Cancelled", lambda: state().type.value == "CANCELLED", 180, self.output
+        )
+        return took
+
+    def stopped_step(self, which: int) -> int:
+        """The step the `which`-th stopped run checkpointed at before it ended."""
+        stops = self.output().split("stopped on request at step ")[1:]
+        assert len(stops) > which, self.output()[-6000:]
+        return int(stops[which].split(";")[0])
+
+    def wait_only_serve_left(self, mark: str) -> None:
+        """Nothing of the run is left: only `gradline serve` (its supervisor and the
+        command under it) carries the mark."""
+
+        def serve_only() -> bool:
+            return all(_argv(pid)[-1:] in ([b"serve"], []) for pid in _processes_marked(mark))
+
+        _wait_for(
+            "the run's processes end",
+            serve_only,
+            30,
+            lambda: _describe(_processes_marked(mark)),
+        )
+
+
+def _argv(pid: int) -> list[bytes]:
+    """The process's arguments; empty once it has ended."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(bytes(1))[:-1]
+    except OSError:
+        return []
