@@ -18,11 +18,11 @@ from prefect import get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.runtime import flow_run
 
 from tasks.leases import holders, reclaim_lapsed_slots
+from tasks.slot_lease import SlotLease
 from training.config import Config
 from training.errors import ConfigError, GradlineError
 
@@ -79,42 +79,31 @@ RECLAIM_EVERY_S = 15.0
 def device_slots(cfg: Config) -> Iterator[int]:
     """Hold one slot per training worker for the duration of the block."""
     needed = cfg.runtime.procs_per_node
-    with contextlib.ExitStack() as held:
-        _acquire(cfg, held)
-        get_run_logger().info(
-            "holding %d slots of device quota %r", needed, cfg.orchestrate.device_limit
-        )
+    lease = _acquire(cfg)
+    get_run_logger().info(
+        "holding %d slots of device quota %r", needed, cfg.orchestrate.device_limit
+    )
+    with lease.kept():
         yield needed
 
 
-def _acquire(cfg: Config, held: contextlib.ExitStack) -> None:
+def _acquire(cfg: Config) -> SlotLease:
     """Wait for the slots (up to orchestrate.quota_wait_s), giving back the slots of runs
-    that died on the way; the lease joins `held`, which releases it."""
+    that died on the way."""
     name, needed = cfg.orchestrate.device_limit, cfg.runtime.procs_per_node
     size = check_quota(cfg)
     # The lease names this flow run as its holder. It lapses when the holder stops
-    # renewing it (the process died): a killed run's slots come back on their own. A
-    # renewal that fails (the server restarting) must not kill a job that already
-    # holds its devices: the job goes on and its slots are released when it ends.
+    # renewing it (the process died): a killed run's slots come back on their own.
     holder = ConcurrencyLeaseHolder(type="flow_run", id=flow_run.id) if flow_run.id else None
+    lease = SlotLease(name, needed, cfg.orchestrate.slot_lease_s, holder, get_run_logger())
     deadline = time.monotonic() + cfg.orchestrate.quota_wait_s
     while True:
         reclaim_lapsed_slots()
         _say_who_holds(name, needed, size)
         left = deadline - time.monotonic()
         try:
-            held.enter_context(
-                concurrency(
-                    name,
-                    occupy=needed,
-                    timeout_seconds=max(0.1, min(left, RECLAIM_EVERY_S)),
-                    lease_duration=cfg.orchestrate.slot_lease_s,
-                    strict=True,
-                    holder=holder,
-                    raise_on_lease_renewal_failure=False,
-                )
-            )
-            return
+            lease.take(timeout_s=max(0.1, min(left, RECLAIM_EVERY_S)))
+            return lease
         except TimeoutError as exc:
             if time.monotonic() >= deadline:
                 raise _wait_expired(cfg, size) from exc
