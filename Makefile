@@ -8,7 +8,7 @@ TORCH := torch==2.13.0
 export DO_NOT_TRACK := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test test-fast lint format clean
+.PHONY: run test test-fast lint format clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(BIN)/gradline run
 
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
@@ -34,6 +34,16 @@ test: $(VENV)/.installed-dev
 # The fast tier: unit tests only (no worker processes, no CLI end to end), ~2 minutes.
 test-fast: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -m "not multiprocess and not e2e"
+
+# The UI test renders the UIs in a headless Chromium. Installed with apt-get when it is
+# missing and this user may; otherwise say how (under CI the test would fail, not skip).
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing chromium (apt-get) for the UI test"; \
+			apt-get install -y -qq --no-install-recommends chromium >/dev/null \
+			|| { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; \
+		else echo "chromium is missing: the UI test needs it (apt-get install chromium)"; fi; }
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check --fix .

@@ -18,9 +18,24 @@ REPO = Path(__file__).resolve().parents[1]
 # Run outputs that a checkout may hold but a fresh clone does not.
 GENERATED = {"dvc.lock", "metrics.json", "result.json", "data/ingest.json"}
 
+# Set by .ci/run: there a skipped test fails the run. A test that cannot run in CI proves
+# nothing, and a silent skip reads like a pass; CI makes every tool a test needs available.
+CI_ENV = "GRADLINE_CI"
+pytest_plugins = ["pytester"]
+
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get(CI_ENV) and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI ({CI_ENV}=1), where every test must run: {reason}"
 
 
 @pytest.fixture(scope="session")
@@ -127,3 +142,15 @@ class WebhookReceiver:
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def assert_drawn(png: Path, min_colors: int = 16) -> None:
+    """`png` is a real picture: a readable PNG of a plot-like size with more than a few
+    colours (a blank or single-colour canvas fails), not merely a file with bytes in it."""
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    pixels = mpimg.imread(png)
+    assert pixels.ndim == 3 and min(pixels.shape[:2]) >= 200, (png, pixels.shape)
+    colours = np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)
+    assert len(colours) >= min_colors, f"{png}: only {len(colours)} colours: nothing drawn?"

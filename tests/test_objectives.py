@@ -20,6 +20,7 @@ from sklearn.metrics import (
     r2_score,
 )
 
+from tests.conftest import assert_drawn
 from training.data.spec import DataSpec
 from training.errors import ConfigError, DataError
 from training.objectives import TASKS, Generation, objective_for
@@ -385,13 +386,15 @@ def test_prediction_artifacts_per_task(tmp_path) -> None:
     labels = np.array([0, 1, 2, 1])
     predictions = Predictions(labels, np.array([0, 1, 1, 1]))
     made = _artifacts(classification(3), predictions, tmp_path / "cls")
-    assert [p.name for p in made] == ["confusion_matrix.png"] and made[0].stat().st_size > 0
+    assert [p.name for p in made] == ["confusion_matrix.png"]
+    assert_drawn(made[0])
     rows = json.loads((tmp_path / "cls" / "predictions.json").read_text())
     assert rows[2] == {"actual": 2, "predicted": 1}
 
     values = Predictions(np.array([1.5, 2.0], np.float32), np.array([1.25, 2.5], np.float32))
     made = _artifacts(regression(), values, tmp_path / "reg")
-    assert [p.name for p in made] == ["predicted_vs_actual.png"] and made[0].stat().st_size > 0
+    assert [p.name for p in made] == ["predicted_vs_actual.png"]
+    assert_drawn(made[0])
     rows = json.loads((tmp_path / "reg" / "predictions.json").read_text())
     assert rows == [{"actual": 1.5, "predicted": 1.25}, {"actual": 2.0, "predicted": 2.5}]
 
@@ -402,7 +405,7 @@ def test_loss_curves_plot_any_validation_metric(tmp_path, metric) -> None:
     if metric:
         history[metric] = [(2, 0.5)]
     plot_loss_curves(history, tmp_path / "curves.png", metric)
-    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert_drawn(tmp_path / "curves.png")
 
 
 class ByteTokenizer:

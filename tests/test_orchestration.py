@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -414,7 +415,24 @@ def quota_projects(server, tmp_path_factory):
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     for proc, output in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, output[-4000:]
-    return roots
+    # Read now: later tests run these projects again (result.json then names their runs).
+    return QuotaPair(
+        roots,
+        trains=[_train_task_run(server, root) for root in roots],
+        shards=[_train_task_run(server, root, "shard") for root in roots],
+    )
+
+
+@dataclass
+class QuotaPair:
+    """The two projects, with the train and shard task runs of their concurrent flows."""
+
+    roots: list[Path]
+    trains: list[dict]
+    shards: list[dict]
+
+    def __getitem__(self, index: int) -> Path:
+        return self.roots[index]
 
 
 def _train_task_run(api: str, root: Path, name: str = "train"):
@@ -425,8 +443,7 @@ def _train_task_run(api: str, root: Path, name: str = "train"):
 
 
 def test_flows_sharing_one_device_train_one_after_the_other(server, quota_projects) -> None:
-    trains = [_train_task_run(server, root) for root in quota_projects]
-    shards = [_train_task_run(server, root, "shard") for root in quota_projects]
+    trains, shards = quota_projects.trains, quota_projects.shards
     first, second = sorted(range(2), key=lambda i: trains[i]["start_time"])
     at = datetime.fromisoformat
     # The second flow was ready to train (its shard stage done) while the first trained,

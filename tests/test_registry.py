@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mlflow.exceptions import MlflowException
 
 from training.config import ModelConfig
 from training.data.spec import DataSpec
@@ -96,7 +97,7 @@ def test_a_model_that_does_not_beat_its_baseline_is_never_champion(store) -> Non
     result = _gate(store, _trained(store, 0.44), 0.44, baseline=0.95)
     assert (result.version, result.alias) == (1, "challenger")  # even with no champion yet
     assert "does not beat the baseline's 0.9500" in _description(store, 1)
-    with pytest.raises(Exception, match="not found"):
+    with pytest.raises(MlflowException, match="not found"):
         client(store[0]).get_model_version_by_alias(NAME, "champion")
 
 

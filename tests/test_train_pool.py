@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from training.mlops.registry import GATE_TAG
+
 from .conftest import copy_project
 from .test_orchestration import _env, _filter, _stop, server  # noqa: F401 (fixture)
 
@@ -111,7 +113,9 @@ def test_train_runs_on_the_pool_and_is_recorded_here(server, gpu_worker, tmp_pat
     run = client.get_run(result["run_id"])
     assert run.data.tags["gradline.prefect_flow_run_id"] == caller["id"]
     (version,) = client.search_model_versions(f"run_id = '{result['run_id']}'")
-    assert version.tags  # registered and gated
+    # Registered and gated, with this run's lineage in its description.
+    assert version.tags[GATE_TAG] in ("champion", "challenger"), version.tags
+    assert f"Trained in MLflow run {result['run_id']}." in version.description
 
     # A train stage failing there fails the flow here, naming the pool, the remote flow
     # run and the cause (more workers than the pool machine's quota: a quick failure).
