@@ -59,6 +59,13 @@ class TrainConfig(Section):
         "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU"
     )
     compile: bool = Field(False, description="torch.compile the model")
+    max_nonfinite_steps: int = Field(
+        10,
+        ge=1,
+        le=1_000_000,
+        description="steps in a row whose loss or gradient is NaN or infinite (each skipped "
+        "on every rank) before the job stops as diverged",
+    )
 
 
 UpdateRule = Literal["sync", "local_sgd", "diloco", "async"]

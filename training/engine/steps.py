@@ -103,8 +103,10 @@ class Layout(Protocol):
 
     def forward_backward(self, inputs: StepInputs) -> StepResult: ...
 
-    def optimizer_step(self, lr: float, grad_clip: float) -> None:
-        """Clip (0: no clipping), step at learning rate `lr`, clear the gradients."""
+    def optimizer_step(self, lr: float, grad_clip: float, loss: torch.Tensor) -> bool:
+        """Clip (0: no clipping), step at learning rate `lr`, clear the gradients. When
+        any rank's `loss` or the gradient norm is not finite, every rank skips the step
+        instead (training.engine.nonfinite); returns whether it stepped."""
 
     def after_step(self, done: int) -> float:
         """The rule's sync after step `done`, if due; returns the bytes it sent."""
