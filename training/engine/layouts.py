@@ -86,12 +86,12 @@ class LayoutBase:
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.whole(x)
 
-    def optimizer_step(self, lr: float, grad_clip: float, loss: torch.Tensor) -> bool:
+    def optimizer_step(self, lr: float, grad_clip: float) -> bool:
         self.optimizer.set_lr(lr)
         # The norm is taken even without clipping: it is where a non-finite gradient shows.
         limit = grad_clip or math.inf
         norm = clip_grad_norm(self.parts, limit, self.topo.shape.pp, self.replicated)
-        stepped = step_is_finite(loss, norm)
+        stepped = step_is_finite(norm)
         if stepped:  # else the weights and the optimizer's state stay as they were
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -234,7 +234,7 @@ class Work:
         inst.stretch(n, inst.last["compute"] - outcome.sync_wait - outcome.bubble)
         lr = lr_at(n, self.setup.total_steps, cfg.optim)
         with inst.phase("optimizer", n):
-            stepped = layout.optimizer_step(lr, cfg.optim.grad_clip, outcome.loss)
+            stepped = layout.optimizer_step(lr, cfg.optim.grad_clip)
         self.guard.record(n, stepped, lr)
         with inst.phase("sync_wait", n):  # local SGD / DiLoCo: average every H steps
             inst.times.bytes_sent += layout.after_step(n + 1)

@@ -1,10 +1,13 @@
 """Steps whose loss or gradient is not finite are skipped, on every rank alike.
 
 One NaN (a bad batch, an overflow) would otherwise reach the weights through the
-optimizer and every checkpoint after it. So after backward each rank says whether its
-loss and the gradient norm it sees are finite, and one all-reduce of that flag makes the
-decision the same everywhere: a rank of a DDP job whose own loss is NaN, a pipeline
-stage that holds no loss, a local-SGD replica whose gradients are its own. A skipped
+optimizer and every checkpoint after it. A non-finite loss makes non-finite gradients,
+so the gradient norm decides, and it is already the same on every rank that must step
+alike, with no communication of its own: DDP's all-reduce spreads one rank's NaN into
+every rank's averaged gradient; under FSDP, tensor and pipeline parallelism the norm is
+one all-reduced sum over every shard and stage; a local-SGD or DiLoCo replica steps on
+its own gradients and decides alone (an extra collective here would make those rules
+talk every step, which is what they exist to avoid). A skipped
 step drops its gradients and does not touch the weights or the optimizer's state (Adam's
 moments and step count stay as they were). The step still counts as a step of the job:
 its batch was read (the data position is the step) and the learning-rate schedule, a
@@ -46,9 +49,10 @@ def _all_agree_finite(bad: bool) -> bool:
     return flag.item() == 0
 
 
-def step_is_finite(loss: torch.Tensor, grad_norm: float) -> bool:
-    """Whether every rank's loss and gradient norm are finite; the same answer on all."""
-    return _all_agree_finite(not (math.isfinite(grad_norm) and bool(torch.isfinite(loss).all())))
+def step_is_finite(grad_norm: float) -> bool:
+    """Whether the step may go ahead: its gradient norm (whole-model, as the layout
+    computes it for clipping) is finite."""
+    return math.isfinite(grad_norm)
 
 
 def weights_are_finite(parts: list[nn.Module]) -> bool:

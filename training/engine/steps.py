@@ -103,9 +103,9 @@ class Layout(Protocol):
 
     def forward_backward(self, inputs: StepInputs) -> StepResult: ...
 
-    def optimizer_step(self, lr: float, grad_clip: float, loss: torch.Tensor) -> bool:
+    def optimizer_step(self, lr: float, grad_clip: float) -> bool:
         """Clip (0: no clipping), step at learning rate `lr`, clear the gradients. When
-        any rank's `loss` or the gradient norm is not finite, every rank skips the step
+        the gradient norm is not finite, every rank that shares the step skips it
         instead (training.engine.nonfinite); returns whether it stepped."""
 
     def after_step(self, done: int) -> float:
