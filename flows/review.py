@@ -10,6 +10,7 @@ import yaml
 from tasks.dvc_stages import StageFailed, dvc_output
 from training.config import load_config
 from training.errors import DataError
+from training.mlops.filters import equals
 from training.mlops.lineage import (
     aliases_by_version,
     model_version_url,
@@ -103,7 +104,7 @@ def runs_text(root: Path, limit: int) -> str:
     )
     name = cfg.registry.model_name
     versions = {}
-    if found := mlflow_client.search_model_versions(f"name='{name}'"):
+    if found := mlflow_client.search_model_versions(equals(name=name)):
         aliases = aliases_by_version(mlflow_client, name)
         for v in found:
             tags = "".join(f" @{a}" for a in aliases.get(str(v.version), []))

@@ -355,3 +355,23 @@ def test_a_failing_step_hook_surfaces_on_the_caller() -> None:
         updates.run_segment(8, lambda n: _compute(model, n, 0, 1))
     assert isinstance(failure.value.__cause__, ValueError)
     updates.close()
+
+
+def test_the_server_drops_a_non_finite_gradient_and_stays_finite() -> None:
+    # A NaN loss at step 3 makes a NaN gradient: the server drops that step instead of
+    # letting the NaN into the weights every replica pulls next.
+    model = _model()
+    updates = _updates(model, 0, 1, 0)
+
+    def compute(n: int) -> tuple[float, int]:
+        loss, rows = _compute(model, n, 0, 1)
+        if n == 3:
+            for p in model.parameters():
+                p.grad.fill_(float("nan"))
+        return loss, rows
+
+    updates.run_segment(8, compute)
+    assert updates.version == 8  # the dropped step still counts as a step
+    assert updates._server.nonfinite_steps == 1
+    assert torch.isfinite(flat_params(model)).all()
+    updates.close()

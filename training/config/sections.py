@@ -13,10 +13,22 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from training.options import Section
+from training.options import (
+    ONE_YEAR_S,
+    ExperimentName,
+    Fraction,
+    Name,
+    OptionalName,
+    RetryCount,
+    Seconds,
+    Section,
+    Seed,
+    ThreadCount,
+    WebUrl,
+    WorkerCount,
+)
 
 _NOTIFY = re.compile(r"env:[A-Za-z_][A-Za-z0-9_]*|block:[a-z0-9][a-z0-9-]*")
-_MODEL_NAME = re.compile(r"[^\W_][\w .-]*")
 
 
 class OptimConfig(Section):
@@ -30,7 +42,7 @@ class OptimConfig(Section):
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="sgd: momentum (0: plain SGD)")
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     warmup_steps: int = Field(20, ge=0, description="linear warmup before the schedule")
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine floor, times lr")
+    min_lr_ratio: Fraction = Field(0.1, ge=0.0, le=1.0, description="cosine floor, times lr")
     grad_clip: float = Field(1.0, ge=0.0, description="max gradient norm; 0 disables")
 
 
@@ -41,13 +53,19 @@ class TrainConfig(Section):
     )
     batch_size: int = Field(64, ge=1, description="global batch per optimizer step")
     grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
-    # numpy's generators take seeds below 2**32; a larger one would fail in every worker.
-    seed: int = Field(0, ge=0, le=2**32 - 1)
+    seed: Seed = 0
     deterministic: bool = Field(True, description="deterministic kernels: bitwise resume")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 autocast on CUDA, fp32 on CPU"
     )
     compile: bool = Field(False, description="torch.compile the model")
+    max_nonfinite_steps: int = Field(
+        10,
+        ge=1,
+        le=1_000_000,
+        description="steps in a row whose loss or gradient is NaN or infinite (each skipped "
+        "on every rank) before the job stops as diverged",
+    )
 
 
 UpdateRule = Literal["sync", "local_sgd", "diloco", "async"]
@@ -80,26 +98,26 @@ class RuntimeConfig(Section):
     """How a job runs (training.config.jobspec): changing a key here never retrains and
     never starts a new MLflow run (a stopped job resumes)."""
 
-    procs_per_node: int = Field(
+    procs_per_node: WorkerCount = Field(
         2, ge=1, description="worker processes on each node (torchrun's nproc_per_node)"
     )
     nnodes: str = Field("1", description="nodes: N, or MIN:MAX to go on when nodes are lost")
     rdzv_endpoint: str = Field(
         "", description="HOST:PORT of the rendezvous on the first node (empty: this machine)"
     )
-    rdzv_id: str = Field("", description="the job's id, the same on every node")
-    rdzv_last_call_s: float = Field(
+    rdzv_id: OptionalName = Field("", description="the job's id, the same on every node")
+    rdzv_last_call_s: Seconds = Field(
         30.0, ge=0.0, description="after MIN nodes joined, how long to wait for more"
     )
-    rdzv_join_timeout_s: float = Field(
+    rdzv_join_timeout_s: Seconds = Field(
         600.0, gt=0.0, description="how long a node waits for the others to join"
     )
     local_addr: str = Field(
         "", description="this node's address as the other nodes reach it (empty: hostname)"
     )
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per rank")
-    loader_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
+    threads_per_worker: ThreadCount = Field(1, description="torch intra-op threads per rank")
+    loader_workers: WorkerCount = Field(0, ge=0, description="DataLoader worker processes per rank")
     log_every_steps: int = Field(50, ge=1, description="metrics and time breakdown interval")
     eval_every_steps: int | None = Field(
         None, ge=1, description="validation interval in steps (null: at each epoch's end)"
@@ -109,8 +127,8 @@ class RuntimeConfig(Section):
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk")
     async_checkpoint: bool = Field(True, description="write checkpoints off the hot loop")
     straggler_factor: float = Field(1.5, gt=1.0, description="busy time over the median rank")
-    collective_timeout_s: float = Field(300.0, gt=0.0, description="a stalled rank fails then")
-    max_restarts: int = Field(3, ge=0, description="elastic restarts after a worker failure")
+    collective_timeout_s: Seconds = Field(300.0, gt=0.0, description="a stalled rank fails then")
+    max_restarts: RetryCount = Field(3, description="elastic restarts after a worker failure")
 
     @field_validator("nnodes", mode="before")
     @classmethod
@@ -258,27 +276,13 @@ class EvaluateConfig(Section):
 
 
 class RegistryConfig(Section):
-    experiment: str = Field("gradline", min_length=1, description="MLflow experiment")
-    model_name: str = Field("gradline-digits", min_length=1, description="registered model")
-
-    @field_validator("model_name")
-    @classmethod
-    def _name_the_registry_takes(cls, name: str) -> str:
-        # MLflow refuses '/' and ':' (and '..' path parts) only when registering, after
-        # all the training; quotes break its search filters. Refuse them up front.
-        if not _MODEL_NAME.fullmatch(name) or ".." in name:
-            raise ValueError(
-                f"{name!r} is not a name the model registry takes: use letters, digits, "
-                "'_', '-', '.' and spaces, starting with a letter or digit (e.g. "
-                "gradline-digits)"
-            )
-        return name
+    experiment: ExperimentName = Field("gradline", description="MLflow experiment")
+    model_name: Name = Field("gradline-digits", description="registered model")
 
 
 class OrchestrateConfig(Section):
-    device_limit: str = Field(
+    device_limit: Name = Field(
         "gradline-devices",
-        min_length=1,
         description="Prefect global concurrency limit holding one slot per training device",
     )
     device_slots: int = Field(
@@ -286,42 +290,42 @@ class OrchestrateConfig(Section):
         ge=0,
         description="slots the limit gets when gradline creates it (0: GPUs here, else CPUs)",
     )
-    quota_wait_s: float = Field(
+    quota_wait_s: Seconds = Field(
         3600.0,
         gt=0,
         description="how long a run waits for its device slots before it gives up, naming "
         "the quota (a run holding them, or slots a killed run leaked)",
     )
-    slot_lease_s: float = Field(
+    slot_lease_s: Seconds = Field(
         60.0,
         ge=60.0,  # the Prefect server's minimum
         description="how long the lease on a run's device slots lasts; the run renews it "
         "while it lives, so a run that died gives its slots back at most this long after",
     )
-    tracking_wait_s: float = Field(
+    tracking_wait_s: Seconds = Field(
         600.0,
         gt=0,
         description="how long registration waits for an MLflow tracking server that does "
         "not answer (the job's records wait in its journal) before it fails, naming what "
         "is kept and that `gradline sync` ships it and registers",
     )
-    stop_grace_s: float = Field(
+    stop_grace_s: Seconds = Field(
         120.0,
         gt=0,
         description="after Ctrl-C or SIGTERM, how long `gradline run` waits for the run to "
         "stop (training checkpoints first) before it kills what is left",
     )
-    stage_retries: int = Field(2, ge=0, description="retries of a stage that crashed")
-    preemption_retries: int = Field(
-        10, ge=0, description="retries of a stage stopped by a preemption (exit 75)"
+    stage_retries: RetryCount = Field(2, description="retries of a stage that crashed")
+    preemption_retries: RetryCount = Field(
+        10, description="retries of a stage stopped by a preemption (exit 75)"
     )
-    retry_delay_s: float = Field(5.0, ge=0.0)
-    train_pool: str = Field(
+    retry_delay_s: Seconds = Field(5.0, ge=0.0)
+    train_pool: OptionalName = Field(
         "",
         description="Prefect work pool that runs the train stage (its `gradline-train` "
         "deployment, see `gradline deploy-train`); empty: train on this machine",
     )
-    mlflow_ui_url: str = Field(
+    mlflow_ui_url: WebUrl = Field(
         "http://127.0.0.1:5000",
         description="MLflow UI for links when the tracking store is local (`gradline ui`)",
     )
@@ -334,6 +338,7 @@ class OrchestrateConfig(Section):
     stale_after_h: float = Field(
         48.0,
         ge=0.003,
+        le=ONE_YEAR_S / 3600,
         description="with alerts on, a served deployment with a schedule and no "
         "successful run for this many hours is reported as stale",
     )

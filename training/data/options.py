@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from training.options import Section
+from training.options import Section, Seed
 
 DataKind = Literal["table", "image", "tokens"]
 LabelKind = Literal["classes", "values"]
@@ -86,7 +86,7 @@ class DataConfig(Section):
     synthetic_shape: list[int] = Field([64], min_length=1, description="feature shape")
     synthetic_classes: int = Field(10, ge=2)
     synthetic_noise: float = Field(1.0, ge=0.0)
-    seed: int = Field(0, ge=0, description="seeds the synthetic source")
+    seed: Seed = Field(0, description="seeds the synthetic source")
     # Text sources (text, stdlib) only.
     text_glob: str = Field("*.txt", min_length=1, description="text: which files to read")
     max_bytes: int | None = Field(

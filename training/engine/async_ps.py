@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -75,6 +76,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+log = logging.getLogger("gradline.train")
 
 # Message kinds: the first field of every header.
 PUSH, PULL, PARAMS, BARRIER, FAILED = 1, 2, 3, 4, 5
@@ -199,6 +202,7 @@ class _Server:
     def _reset_segment_stats(self) -> None:
         self.start_version = self.version
         self.losses: list[float] = []
+        self.nonfinite_steps = 0  # steps dropped for a non-finite mean gradient
         self.staleness: list[int] = []
         self.pushed = [0] * self.world
 
@@ -368,7 +372,19 @@ class _Server:
             offset += p.numel()
         if self.before_step is not None:
             self.before_step(self.version, params)
-        self.optimizer.step()
+        # A non-finite mean gradient (one worker's NaN is in the mean) is dropped, as a
+        # synchronous job skips such a step (training.engine.nonfinite): the weights
+        # every replica pulls next stay finite; the version still moves on.
+        if bool(torch.isfinite(mean).all()):
+            self.optimizer.step()
+        else:
+            self.nonfinite_steps += 1
+            log.warning(
+                "parameter server: step %d dropped: its mean gradient is not finite "
+                "(%d dropped so far)",
+                self.version,
+                self.nonfinite_steps,
+            )
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.append(sum(e.loss * e.samples for e in self.entries) / samples)
         self.staleness.extend(self.version - e.computed_on for e in self.entries)

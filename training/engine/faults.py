@@ -1,7 +1,7 @@
 """Fault injection for tests and drills: GRADLINE_FAULT, read once by the launcher and
 handed to every worker with its job.
 
-Format: `KIND:rank=R:step=S[:seconds=X][:attempt=A][:once=1]`, several separated by `;`.
+Format: `KIND:rank=R:step=S[:seconds=X][:attempt=A][:once=1][:steps=N]`, several separated by `;`.
   kill   - SIGKILL this worker when it reaches step S (on restart attempt A, default 0)
   fail   - raise at step S on every attempt; with once=1 only the first time in a job,
            even across launches (a crash that a retried task gets past)
@@ -15,6 +15,8 @@ Format: `KIND:rank=R:step=S[:seconds=X][:attempt=A][:once=1]`, several separated
            step's compute (a transient straggler; a seeded draw per rank and step)
   fill   - at step S, fill the disk of the job's checkpoints (a file `fill-ballast` in the
            job's folder, written until the disk is full): a disk that fills up mid-run
+  nan    - at step S, and for `steps` steps from it (default 1), the loss of this rank is
+           NaN (so are its gradients): what a bad batch or an overflow does
 rank=-1 applies a fault to every rank. Unset, it costs one attribute check per step.
 """
 
@@ -61,6 +63,7 @@ class Fault:
     once: bool = False
     factor: float = 0.0
     prob: float = 0.0
+    steps: int = 1
 
     @property
     def marker(self) -> str:
@@ -72,7 +75,7 @@ def parse(spec: str) -> list[Fault]:
     for item in filter(None, (part.strip() for part in spec.split(";"))):
         kind, *fields = item.split(":")
         values = dict(f.split("=", 1) for f in fields)
-        if kind not in ("kill", "fail", "stall", "slow", "hiccup", "term", "fill"):
+        if kind not in ("kill", "fail", "stall", "slow", "hiccup", "term", "fill", "nan"):
             raise ValueError(f"{ENV}: unknown fault kind {kind!r} in {item!r}")
         faults.append(
             Fault(
@@ -84,6 +87,7 @@ def parse(spec: str) -> list[Fault]:
                 values.get("once", "0") not in ("0", "false", ""),
                 float(values.get("factor", 0.0)),
                 float(values.get("prob", 0.0)),
+                int(values.get("steps", 1)),
             )
         )
     return faults
@@ -146,6 +150,12 @@ class FaultPlan:
             elif fault.kind == "stall":
                 time.sleep(fault.seconds or 10**6)
 
+    def poisons_loss(self, step: int) -> bool:
+        """Whether a `nan` fault makes this rank's loss of step `step` NaN."""
+        return self.active and any(
+            f.kind == "nan" and f.step <= step < f.step + f.steps for f in self.faults
+        )
+
     def stretch(self, step: int, compute_seconds: float) -> float:
         """Seconds to add to a step whose compute took `compute_seconds` (slow with a
         factor, hiccups); the caller sleeps them inside its compute phase."""
@@ -166,3 +176,15 @@ def _draw(rank: int, step: int) -> float:
     """A uniform draw fixed by (rank, step): a rerun hiccups at the same steps."""
 
     return random.Random(rank * 1_000_003 + step).random()
+
+
+class PoisonableLoss:
+    """The objective's loss, made NaN while `poisoned` (the `nan` fault): the loop sets it
+    before each step, so a drill reaches the real guard through the real backward."""
+
+    def __init__(self, loss_fn) -> None:
+        self.loss_fn, self.poisoned = loss_fn, False
+
+    def __call__(self, output, target):
+        loss = self.loss_fn(output, target)
+        return loss * float("nan") if self.poisoned else loss

@@ -18,6 +18,7 @@ one that composes: each step wraps what the previous produced.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from training.config import Config, ParallelConfig
 from training.engine.comm import CommMeter
+from training.engine.nonfinite import step_is_finite
 from training.engine.pipeline import Pipeline, cut_stage, stage_indices
 from training.engine.sharding import (
     apply_activation_checkpointing,
@@ -84,12 +86,16 @@ class LayoutBase:
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.whole(x)
 
-    def optimizer_step(self, lr: float, grad_clip: float) -> None:
+    def optimizer_step(self, lr: float, grad_clip: float) -> bool:
         self.optimizer.set_lr(lr)
-        if grad_clip:
-            clip_grad_norm(self.parts, grad_clip, self.topo.shape.pp, self.replicated)
-        self.optimizer.step()
+        # The norm is taken even without clipping: it is where a non-finite gradient shows.
+        limit = grad_clip or math.inf
+        norm = clip_grad_norm(self.parts, limit, self.topo.shape.pp, self.replicated)
+        stepped = step_is_finite(norm)
+        if stepped:  # else the weights and the optimizer's state stay as they were
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return stepped
 
     def after_step(self, done: int) -> float:
         self.rule.after_step(done)

@@ -32,12 +32,14 @@ from training.data.manifest import read_manifest
 from training.data.spec import DataSpec
 from training.data.tokenizer import shard_tokenizer
 from training.engine.balance import Balancer
-from training.engine.checkpoint import Checkpointer, find_latest, load_into
+from training.engine.checkpoint import Checkpointer, checkpoint_dir, find_latest, load_into
 from training.engine.control import Control
+from training.engine.faults import PoisonableLoss
 from training.engine.instruments import Instruments
 from training.engine.intervals import IntervalLog
 from training.engine.job import TrainJob
 from training.engine.jobdir import JobDir
+from training.engine.nonfinite import NonFiniteGuard, weights_are_finite
 from training.engine.parallelize import parallelize
 from training.engine.schedule import lr_at
 from training.engine.steps import Layout, Segment, StepInputs
@@ -85,6 +87,7 @@ class Setup:
     total_steps: int
     sampler: Callable[[torch.nn.Module], str] | None  # what a validation shows, if anything
     balancer: Balancer  # rows per rank of each global batch
+    loss: PoisonableLoss  # the objective's loss, which the `nan` fault can poison
 
 
 def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
@@ -110,11 +113,12 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         return build_model(cfg.model, cfg.task.type, data)
 
+    loss = PoisonableLoss(objective.loss)
     layout = parallelize(
         build,
         cfg,
         topo,
-        objective.loss,
+        loss,
         autocast_for(cfg.train.precision, topo.device),
         lambda step: lr_at(step, total, cfg.optim),
     )
@@ -128,6 +132,7 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         total_steps=total,
         sampler=objective.sampler(cfg.generation(), context),
         balancer=balancer,
+        loss=loss,
     )
 
 
@@ -187,9 +192,15 @@ class Work:
     whole synchronous step."""
 
     def __init__(
-        self, cfg: Config, setup: Setup, topo: Topology, inst: Instruments, resumed: bool
+        self,
+        cfg: Config,
+        setup: Setup,
+        topo: Topology,
+        inst: Instruments,
+        resumed: bool,
+        guard: NonFiniteGuard,
     ) -> None:
-        self.cfg, self.setup, self.topo, self.inst = cfg, setup, topo, inst
+        self.cfg, self.setup, self.topo, self.inst, self.guard = cfg, setup, topo, inst, guard
         self.batches = StepBatches(setup.loader, cfg.runtime.loader_workers, topo.device)
         self.resumed = resumed  # until the first step after a resume ends
 
@@ -212,6 +223,7 @@ class Work:
         cfg, layout, inst = self.cfg, self.setup.layout, self.inst
         measure = (n + 1) % cfg.runtime.log_every_steps == 0  # sample communication
         inputs = self._inputs(n, loss_scale=self.setup.balancer.loss_scale, measure_comm=measure)
+        self.setup.loss.poisoned = inst.faults.poisons_loss(n)
         with inst.phase("compute", n):
             torch.manual_seed(step_seed(cfg.train.seed, self.topo, n))
             inst.collective(n)
@@ -220,8 +232,10 @@ class Work:
         inst.move(outcome.sync_wait, "compute", "sync_wait")
         inst.move(outcome.bubble, "compute", "pipeline_bubble")
         inst.stretch(n, inst.last["compute"] - outcome.sync_wait - outcome.bubble)
+        lr = lr_at(n, self.setup.total_steps, cfg.optim)
         with inst.phase("optimizer", n):
-            layout.optimizer_step(lr_at(n, self.setup.total_steps, cfg.optim), cfg.optim.grad_clip)
+            stepped = layout.optimizer_step(lr, cfg.optim.grad_clip)
+        self.guard.record(n, stepped, lr)
         with inst.phase("sync_wait", n):  # local SGD / DiLoCo: average every H steps
             inst.times.bytes_sent += layout.after_step(n + 1)
         self._done(n)
@@ -317,13 +331,22 @@ class Attempt:
         self.start, resumed_from = resume(setup, topo, job_dir, self.intervals)
         self.inst.times.reset()  # the first interval's clock starts with training
         self.checkpointer = Checkpointer.for_job(topo, job_dir.path, cfg.runtime, tracker)
+        self.checkpoints = job_dir.path
         self.checkpointer.last_step = self.start  # what we resumed from is on disk already
-        self.work = Work(cfg, setup, topo, self.inst, resumed=bool(resumed_from))
+        skipped = int(self.intervals.totals.get("nonfinite_steps", 0))
+        self.guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, skipped)
+        self.guard.last_checkpoint = Path(resumed_from) if resumed_from else None
+        self.work = Work(cfg, setup, topo, self.inst, bool(resumed_from), self.guard)
         lockstep = setup.layout.rule.lockstep
         self.barriers = Barriers(cfg.runtime, self.per_epoch, setup.total_steps, lockstep)
 
     def save(self, step: int) -> None:
         layout, inst = self.setup.layout, self.inst
+        # Skipped steps keep NaN out of the weights; this is the last line, for what got
+        # in another way (an optimizer step that overflowed): never a checkpoint of it.
+        if not weights_are_finite(layout.parts):
+            raise self.guard.refuse_to_save(step, layout.lr)
+        self.intervals.totals["nonfinite_steps"] = float(self.guard.skipped)
         train_state = {
             "step": step,
             "loader": LoaderPosition(*divmod(step, self.per_epoch)).state_dict(),
@@ -337,6 +360,7 @@ class Attempt:
             self.checkpointer.save(
                 step, layout.state.state_dict(), train_state, self.intervals.last
             )
+        self.guard.last_checkpoint = checkpoint_dir(self.checkpoints, step)
         inst.loop_seconds += inst.last["checkpoint_stall"]
 
     def evaluate(self, step: int) -> None:
@@ -397,6 +421,7 @@ class Attempt:
         setup = self.setup
         self.inst.collective(step)
         ranks = self.intervals.close(step, setup.layout.lr)
+        self.tracker.log_metrics({"nonfinite_steps": float(self.guard.skipped)}, step)
         if setup.balancer.remeasure(ranks, self.intervals.closed):
             setup.loader.shares = setup.balancer.shares
             self.work.batches.reset()  # every rank re-reads with the new shares

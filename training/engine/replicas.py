@@ -164,7 +164,7 @@ class AsyncReplicas(LayoutBase):
             loss_sum += loss.detach()
         return StepResult(loss_sum, 0.0)
 
-    def optimizer_step(self, lr: float, grad_clip: float) -> None:
+    def optimizer_step(self, lr: float, grad_clip: float) -> bool:
         raise RuntimeError("an async job's optimizer steps on the parameter server")
 
     @property

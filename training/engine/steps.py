@@ -103,8 +103,10 @@ class Layout(Protocol):
 
     def forward_backward(self, inputs: StepInputs) -> StepResult: ...
 
-    def optimizer_step(self, lr: float, grad_clip: float) -> None:
-        """Clip (0: no clipping), step at learning rate `lr`, clear the gradients."""
+    def optimizer_step(self, lr: float, grad_clip: float) -> bool:
+        """Clip (0: no clipping), step at learning rate `lr`, clear the gradients. When
+        the gradient norm is not finite, every rank that shares the step skips it
+        instead (training.engine.nonfinite); returns whether it stepped."""
 
     def after_step(self, done: int) -> float:
         """The rule's sync after step `done`, if due; returns the bytes it sent."""

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from training.errors import TrackingError
+from training.mlops.filters import equals
 from training.mlops.tracking import (
     TAG_DATA_VERSION,
     TAG_FLOW_RUN,
@@ -107,7 +108,7 @@ def resolve_version(mlflow_client, ref: ModelRef):
             return mlflow_client.get_model_version(ref.name, str(ref.version))
         return mlflow_client.get_model_version_by_alias(ref.name, ref.alias)
     except MlflowException as exc:
-        known = mlflow_client.search_model_versions(f"name='{ref.name}'")
+        known = mlflow_client.search_model_versions(equals(name=ref.name))
         if not known:
             raise TrackingError(
                 f"no registered model {ref.name!r} in this tracking store; `gradline runs` "

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from training.config import Config
+from training.mlops.filters import equals
 from training.mlops.tracking import TAG_TEST_DIGEST, client
 
 
@@ -217,7 +218,7 @@ class _Gate:
         """Other versions of the model without a gate tag yet, registered within STALE_S."""
         recent = [
             found.version
-            for found in self.client.search_model_versions(f"name='{self.model_name}'")
+            for found in self.client.search_model_versions(equals(name=self.model_name))
             if int(found.version) != self.version
             and self._now_ms() - found.creation_timestamp < STALE_S * 1000
         ]
@@ -281,7 +282,7 @@ class _Gate:
 def version_of_run(mlflow_client, model_name: str, run_id: str):
     """The model version registered from `run_id`, with its aliases and tags, or None.
     (Search results leave aliases and tags out; the version itself has them.)"""
-    found = mlflow_client.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
+    found = mlflow_client.search_model_versions(equals(name=model_name, run_id=run_id))
     return mlflow_client.get_model_version(model_name, found[0].version) if found else None
 
 

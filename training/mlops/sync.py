@@ -21,6 +21,7 @@ from pathlib import Path
 from training.atomic import atomic_dir
 from training.engine.jobdir import JobDir
 from training.errors import TrackingUnavailable
+from training.mlops.filters import equals
 from training.mlops.tracking import (
     Shipped,
     append_records,
@@ -133,7 +134,7 @@ def run_model_uri(tracking_uri: str, run_id: str) -> str | None:
     mlflow_client = client(tracking_uri)
     experiment = mlflow_client.get_run(run_id).info.experiment_id
     found = mlflow_client.search_logged_models(
-        experiment_ids=[experiment], filter_string=f"source_run_id = '{run_id}'"
+        experiment_ids=[experiment], filter_string=equals(source_run_id=run_id)
     )
     return f"models:/{found[0].model_id}" if found else None
 
