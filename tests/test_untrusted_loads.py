@@ -302,3 +302,43 @@ def test_no_key_outside_a_project_is_an_error_saying_what_to_set(tmp_path, monke
     monkeypatch.setenv(SIGNING_KEY_ENV, "short")
     with pytest.raises(SigningKeyError, match="shorter than 32"):
         signing_key(tmp_path)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_resume_skips_a_planted_checkpoint_and_ends_bitwise_equal(tiny_shards, tmp_path) -> None:
+    """Two ranks train 8 steps (checkpoints at 4 and 8). The attacker plants an
+    executable .metadata in step 8 and rewrites its checksums. Run again: nothing runs,
+    the job resumes from step 4, and its final weights equal the honest run's bitwise."""
+    from training.config import Config
+    from training.engine.launch import launch_workers
+
+    from .conftest import train_job
+
+    cfg = Config.model_validate(
+        {
+            "model": {"name": "mlp", "hidden": 16, "depth": 1},
+            "optim": {"lr": 0.01, "warmup_steps": 2},
+            "train": {"epochs": 1, "max_steps": 8, "batch_size": 32},
+            "runtime": {"checkpoint_every_steps": 4, "async_checkpoint": False},
+        }
+    )
+    job = train_job(tiny_shards, tmp_path, cfg)
+    assert launch_workers(job, 2, 0)["step"] == 8
+    honest = load_model_dir(tmp_path / "model")[0].state_dict()
+
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "ran"
+    newest = checkpoint_dir(ckpt, 8)
+    _plant_metadata(newest, marker)
+    _rewrite_manifest(newest)
+    # A fresh start would save step 4 again: a new folder in its place.
+    step_4 = checkpoint_dir(ckpt, 4).stat().st_ino
+
+    assert launch_workers(job, 2, 0)["step"] == 8
+    assert not marker.exists()
+    # Resumed from step 4 (its folder untouched) and saved step 8 anew, signed.
+    assert checkpoint_dir(ckpt, 4).stat().st_ino == step_4
+    assert verify(newest)["step"] == 8
+    resumed = load_model_dir(tmp_path / "model")[0].state_dict()
+    assert resumed.keys() == honest.keys()
+    assert all(torch.equal(resumed[k], honest[k]) for k in honest)
