@@ -342,3 +342,53 @@ def test_resume_skips_a_planted_checkpoint_and_ends_bitwise_equal(tiny_shards, t
     resumed = load_model_dir(tmp_path / "model")[0].state_dict()
     assert resumed.keys() == honest.keys()
     assert all(torch.equal(resumed[k], honest[k]) for k in honest)
+
+
+def _copy_shards(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+def test_a_shard_changed_after_sharding_is_named_when_first_opened(tiny_shards, tmp_path) -> None:
+    from training.data.integrity import CorruptShard, forget_checked
+    from training.data.loader import open_reader
+    from training.data.manifest import read_manifest, split_shards
+
+    shards = _copy_shards(tiny_shards, tmp_path / "shards")
+    manifest = read_manifest(shards)
+    victim = split_shards(shards, manifest, "train")[-1].path
+    forget_checked()
+    open_reader(shards, manifest, "train").open_all()  # intact: opens
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF  # one flipped byte; Arrow would still read the file
+    victim.write_bytes(bytes(data))
+    os.utime(victim, ns=(1, 1))  # a new mtime: the copy in place is checked again
+    with pytest.raises(CorruptShard, match=f"shard {victim} fails its checksum") as refused:
+        open_reader(shards, manifest, "train").open_all()
+    assert refused.value.exit_code == 2
+
+
+def test_each_shard_is_hashed_once_per_process(tiny_shards, tmp_path, monkeypatch) -> None:
+    import hashlib
+
+    from training.data import integrity
+    from training.data.loader import open_reader
+    from training.data.manifest import read_manifest, split_shards
+
+    hashed: list[str] = []
+    file_digest = hashlib.file_digest
+
+    def counting(handle, name):
+        hashed.append(handle.name)
+        return file_digest(handle, name)
+
+    monkeypatch.setattr(integrity.hashlib, "file_digest", counting)
+    shards = _copy_shards(tiny_shards, tmp_path / "shards")
+    manifest = read_manifest(shards)
+    integrity.forget_checked()
+    for _ in range(3):
+        open_reader(shards, manifest, "train").open_all()
+    files = [str(s.path) for s in split_shards(shards, manifest, "train")]
+    assert sorted(hashed) == sorted(files)
