@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 from pathlib import Path
@@ -26,6 +27,10 @@ pytest_plugins = ["pytester"]
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+# Checkpoints are signed (training.signing). Most tests keep theirs in a temp folder
+# outside any project, where only this variable gives a key; one random key per session,
+# inherited by every worker process. tests/test_untrusted_loads.py covers the key file.
+os.environ.setdefault("GRADLINE_SIGNING_KEY", secrets.token_hex(32))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -15,6 +15,7 @@ from typing import Any
 from training.config import Config, load_config
 from training.engine.jobdir import JobDir
 from training.errors import ProjectError
+from training.roots import project_root_at_or_above
 
 
 def default_tracking_uri(root: Path) -> str:
@@ -106,9 +107,9 @@ def read_train_result(result: Path) -> dict[str, Any]:
 def find_project_root(start: Path | None = None) -> Path:
     """The nearest folder at or above `start` that holds both params.yaml and dvc.yaml."""
     here = (start or Path.cwd()).resolve()
-    for candidate in (here, *here.parents):
-        if (candidate / "params.yaml").is_file() and (candidate / "dvc.yaml").is_file():
-            return candidate
+    root = project_root_at_or_above(here)
+    if root is not None:
+        return root
     raise ProjectError(
         f"no gradline project at or above {here}: expected params.yaml and dvc.yaml. "
         "Run gradline from the root of a gradline checkout."

@@ -20,6 +20,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from training.data.hashing import unit_interval
+from training.data.integrity import ensure_shard_intact
 from training.errors import DataError, ensure_free
 
 SPLITS = ("train", "val", "test")
@@ -81,7 +82,9 @@ class ShardInfo:
 
     def map(self, unit: str = "rows") -> pa.RecordBatch:
         """The shard's one record batch, memory-mapped (columns are zero-copy views onto
-        the file), after checking it holds as many `unit` as the manifest says."""
+        the file), after checking its checksum (once per process) and that it holds as
+        many `unit` as the manifest says."""
+        ensure_shard_intact(self.path, self.sha256)
         try:
             batch = ipc.open_file(pa.memory_map(str(self.path), "r")).get_batch(0)
         except (OSError, pa.ArrowInvalid) as exc:

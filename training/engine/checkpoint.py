@@ -7,6 +7,11 @@ on disk. Rank 0 then adds `train_state.json` (step, data position, layout) and a
 manifest, and renames the folder to `step-NNNNNNNN/`: a folder with that name is complete,
 and one a killed job left behind keeps its `.tmp` name and is never read.
 
+DCP unpickles `.metadata` on load, so a planted file would run code. The manifest is
+therefore signed (HMAC-SHA256, training.signing) over every file's checksum, and every
+load path (`load_into`, `load_model_weights`) verifies the signature and each file
+before DCP reads a byte; a checkpoint that fails is skipped like a torn one.
+
 Loading goes through DCP too, which reshards when the target state has another layout
 (other world size, FSDP <-> TP, or one full CPU model at the end). Random streams are a
 pure function of (seed, data-parallel rank, pipeline stage, step) in the loop, so no
@@ -33,11 +38,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from training.atomic import fsync_dir
-from training.errors import ensure_free
+from training.errors import GradlineError, ensure_free
+from training.signing import sign, signature_matches, signing_key
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 2
+# 3: the manifest is signed. Format 2 checkpoints are unsigned and refused on load.
+CHECKPOINT_FORMAT = 3
 TRAIN_STATE = "train_state.json"
 MANIFEST = "sha256.json"
 _NAME = re.compile(r"^step-(\d{8})$")
@@ -46,7 +53,23 @@ _ROOM_MARGIN = 1 << 20  # DCP's metadata, the train state and checksums
 
 
 class CorruptCheckpoint(Exception):
-    pass
+    """The checkpoint cannot be used: torn, truncated, or a file fails its checksum.
+    `reason` says which in a few words (the warning that skips it names it)."""
+
+    def __init__(self, path: Path, reason: str, detail: str = "") -> None:
+        super().__init__(f"{path}: {reason}" + (f" ({detail})" if detail else ""))
+        self.path, self.reason = path, reason
+
+
+class UntrustedCheckpoint(CorruptCheckpoint):
+    """Its manifest is unsigned or its signature does not match: anyone could have
+    written it, so nothing in it is read."""
+
+
+class NoTrustedCheckpoint(GradlineError):
+    """A job's folder holds checkpoints, none of them verifies, and some are unsigned or
+    signed with another key: starting afresh would silently discard them, so the job
+    stops and says what to do."""
 
 
 def state_bytes(state: Any) -> int:
@@ -92,53 +115,103 @@ def _write_synced(path: Path, payload: Any) -> None:
         os.fsync(handle.fileno())
 
 
+def _signed_payload(name: str, files: dict[str, str]) -> bytes:
+    """What the signature covers: the folder's step name (a signed checkpoint renamed to
+    another step is refused) and every file's checksum, in one canonical encoding."""
+    return json.dumps({"checkpoint": name, "files": files}, sort_keys=True).encode("utf-8")
+
+
+def signed_manifest(path: Path, files: dict[str, str]) -> dict[str, Any]:
+    """The manifest of checkpoint folder `path` (named as it will be read) over `files`
+    (name -> sha256), signed with the key for its job folder."""
+    key = signing_key(path.parent)
+    return {"files": files, "hmac_sha256": sign(key, _signed_payload(path.name, files))}
+
+
 def verify(path: Path) -> dict[str, Any]:
-    """The checkpoint's train state, if every file is present and matches its checksum."""
+    """The checkpoint's train state, once its manifest's signature and every file's
+    checksum hold. Reads nothing but the manifest before the signature is checked."""
     if not path.is_dir():
-        raise CorruptCheckpoint(f"{path}: no such checkpoint folder")
+        raise CorruptCheckpoint(path, "torn", "no such checkpoint folder")
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
-        raise CorruptCheckpoint(f"{path}: checksum manifest {MANIFEST} is missing")
+        raise CorruptCheckpoint(path, "torn", f"checksum manifest {MANIFEST} is missing")
     try:
         manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CorruptCheckpoint(f"{path}: {MANIFEST} cannot be read ({exc})") from exc
+        raise CorruptCheckpoint(path, "torn", f"{MANIFEST} cannot be read: {exc}") from exc
+    if not isinstance(manifest, dict) or "hmac_sha256" not in manifest:
+        raise UntrustedCheckpoint(
+            path, "unsigned", "written before checkpoints were signed, or by someone else"
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not signature_matches(
+        signing_key(path.parent), _signed_payload(path.name, files), manifest["hmac_sha256"]
+    ):
+        raise UntrustedCheckpoint(
+            path, "signature mismatch", "its manifest was changed, or signed with another key"
+        )
     for required in (".metadata", TRAIN_STATE):
-        if required not in manifest:
-            raise CorruptCheckpoint(f"{path}: {required} is missing")
-    for name, digest in sorted(manifest.items()):
-        file = path / name
-        if not file.is_file():
-            raise CorruptCheckpoint(f"{path}: {name} is missing")
-        if _sha256(file) != digest:
-            raise CorruptCheckpoint(f"{path}: {name} fails its checksum (truncated or corrupt)")
+        if required not in files:
+            raise CorruptCheckpoint(path, "torn", f"{required} is missing")
+    present = {p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST}
+    if unlisted := sorted(present - set(files)):
+        # DCP reads only what the signed .metadata names, but nothing unsigned stays.
+        raise CorruptCheckpoint(path, "file checksum mismatch", f"unsigned files {unlisted}")
+    for name, digest in sorted(files.items()):
+        if name not in present:
+            raise CorruptCheckpoint(path, "torn", f"{name} is missing")
+        if _sha256(path / name) != digest:
+            raise CorruptCheckpoint(
+                path, "file checksum mismatch", f"{name} is truncated, corrupt or replaced"
+            )
     train_state = json.loads((path / TRAIN_STATE).read_text(encoding="utf-8"))
     if train_state.get("format") != CHECKPOINT_FORMAT:
         raise CorruptCheckpoint(
-            f"{path}: {TRAIN_STATE} has format {train_state.get('format')}, not {CHECKPOINT_FORMAT}"
+            path,
+            "torn",
+            f"{TRAIN_STATE} has format {train_state.get('format')}, not {CHECKPOINT_FORMAT}",
         )
     return train_state
 
 
 def find_latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that verifies, falling back past corrupt ones."""
+    """The newest checkpoint that verifies, falling back past torn and untrusted ones.
+    None when there is none at all; NoTrustedCheckpoint when every one is refused and
+    some for want of a valid signature (see the class)."""
+    refused: list[UntrustedCheckpoint] = []
     for path in list_checkpoints(directory):
         try:
             return path, verify(path)
         except CorruptCheckpoint as exc:
-            log.warning("skipping checkpoint: %s; falling back to the previous one", exc)
+            log.warning("skipping checkpoint %s; falling back to the previous one", exc)
+            if isinstance(exc, UntrustedCheckpoint):
+                refused.append(exc)
+    if refused:
+        raise NoTrustedCheckpoint(
+            f"no checkpoint in {directory} can be trusted: {refused[0]}. A checkpoint is "
+            "unpickled when loaded, so gradline reads only checkpoints signed with this "
+            "project's key (.gradline/signing.key, or GRADLINE_SIGNING_KEY). If these were "
+            "written by an older gradline or with another key, start the job afresh by "
+            f"deleting {directory}; if a node of a multi-node job wrote them, give every "
+            "node the same GRADLINE_SIGNING_KEY"
+        )
     return None
 
 
 def load_into(path: Path, state: dict[str, Any], group=None) -> None:
-    """Fill `state` in place (every rank its own shards; DCP reshards as needed)."""
+    """Fill `state` in place (every rank its own shards; DCP reshards as needed), after
+    this rank has verified the checkpoint itself: on separate disks its copy may differ
+    from the one rank 0 chose."""
+    verify(path)
     dcp.load(state, checkpoint_id=path, process_group=group)
 
 
 def load_model_weights(path: Path, model: torch.nn.Module, key: str = "model") -> None:
     """Fill a full, unsharded model from the checkpoint's "model" part (or the part at
     dotted `key`), in this process alone (no process group): how the final model is
-    consolidated. The optimizer's state is not read."""
+    consolidated. The optimizer's state is not read. Verified first, as every load."""
+    verify(path)
     weights = model.state_dict()
     nested: dict[str, Any] = weights
     for part in reversed(key.split(".")):
@@ -242,14 +315,15 @@ class Checkpointer:
     ) -> Path:
         """Rank 0, once every rank's shards and DCP's .metadata are written."""
         _write_synced(staging / TRAIN_STATE, {**train_state, "format": CHECKPOINT_FORMAT})
-        manifest = {
+        files = {
             file.name: _sha256(file)
             for file in sorted(staging.iterdir())
             if file.is_file() and file.name != MANIFEST
         }
-        _write_synced(staging / MANIFEST, manifest)
-        fsync_dir(staging)
         path = checkpoint_dir(self.directory, step)
+        # Signed for the name it is renamed to below.
+        _write_synced(staging / MANIFEST, signed_manifest(path, files))
+        fsync_dir(staging)
         if path.exists():  # the same step saved by an earlier attempt: the new one wins
             shutil.rmtree(path)
         os.replace(staging, path)

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
@@ -136,7 +137,7 @@ class GradientReducer:
             per_name.update(self._take(index, names))
         for name, pieces in self.pending.items():  # restored, its bucket not yet seen
             per_name.setdefault(name, pieces)
-        slots = {"iter": self.powersgd.iter, "rng": self.powersgd.rng}
+        slots = {"iter": self.powersgd.iter, "rng": _rng_as_tensors(self.powersgd.rng)}
         buffer = io.BytesIO()
         torch.save({"slots": slots, "per_name": per_name}, buffer)
         return {"powersgd": buffer}
@@ -147,13 +148,35 @@ class GradientReducer:
             return
         if isinstance(buffer, io.BytesIO):  # DCP's load hands back what torch.save wrote
             buffer.seek(0)
-            # Written by this class into the job's own checkpoint (a numpy RNG inside).
-            buffer = torch.load(buffer, weights_only=False)
-        for key, value in buffer["slots"].items():
-            setattr(self.powersgd, key, value)
+            # Tensors and plain numbers only: weights_only refuses anything that runs code.
+            buffer = torch.load(buffer, weights_only=True)
+        slots = buffer["slots"]
+        self.powersgd.iter = int(slots["iter"])
+        self.powersgd.rng = _rng_from_tensors(slots["rng"])
         self.pending = buffer["per_name"]
         for memory in self._memories().values():
             memory.clear()
+
+
+def _rng_as_tensors(rng: np.random.RandomState) -> dict:
+    """PowerSGD's numpy generator (it draws the warm-start factors) as a tensor and plain
+    numbers, so the checkpoint holds no pickled object."""
+    name, keys, pos, has_gauss, cached_gaussian = rng.get_state()
+    if name != "MT19937":
+        raise ValueError(f"PowerSGD's generator is {name}, not MT19937: cannot checkpoint it")
+    return {
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
+
+
+def _rng_from_tensors(saved: dict) -> np.random.RandomState:
+    rng = np.random.RandomState()
+    keys = saved["keys"].numpy().astype(np.uint32)
+    rng.set_state(("MT19937", keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]))
+    return rng
 
 
 def _should_compress(rows: int, cols: int, rank: int, min_rate: float) -> bool:

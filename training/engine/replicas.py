@@ -206,7 +206,8 @@ class AsyncState:
         blob = state["async"]
         if isinstance(blob, io.BytesIO):
             blob.seek(0)
-            blob = torch.load(blob, weights_only=False)  # written by this class
+            # Numbers, lists and one tensor: weights_only refuses anything that runs code.
+            blob = torch.load(blob, weights_only=True)
         if self.is_main:
             TrainState([self.ps.server_model], self.ps.server_optimizer).load_state_dict(state)
         self.ps.load_state_dict(blob)

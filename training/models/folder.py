@@ -10,6 +10,7 @@ The folder is written aside and swapped in whole, so a crash never leaves half a
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,19 @@ from training.models.registry import build_model
 MODEL_WEIGHTS = "model.pt"
 MODEL_SPEC = "spec.json"
 TOKENIZER_FILE = "tokenizer.json"
+
+
+class UnsafeModelFile(ProjectError):
+    """model.pt is not a plain state_dict: weights_only loading refused an object in it."""
+
+
+def _refused_part(exc: pickle.UnpicklingError) -> str:
+    """The line of torch's long refusal that names what was refused."""
+    for line in str(exc).splitlines():
+        if "WeightsUnpickler error:" in line:
+            refused = line.split("WeightsUnpickler error:", 1)[1].strip()
+            return refused.split(" was not an allowed global", 1)[0].rstrip(".")
+    return "an object weights_only loading does not accept"
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,13 @@ def load_model_dir(folder: Path) -> tuple[nn.Module, ModelSpec]:
     try:
         state = torch.load(weights, map_location="cpu", weights_only=True)
         model.load_state_dict(state)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeModelFile(
+            f"{weights} holds more than tensors ({_refused_part(exc)}), so gradline will not "
+            "load it: unpickling it could run code. Do not unpickle it yourself "
+            "unless you wrote it. Train the model again (gradline run), "
+            "or save a plain state_dict there: torch.save(model.state_dict(), path)"
+        ) from None
     except (OSError, RuntimeError) as exc:
         raise ProjectError(
             f"cannot load {weights} into the model its spec describes: {exc}; train it again"
