@@ -2,7 +2,8 @@
 
 Both servers run in their own sessions, so a terminal's Ctrl-C or a service manager's
 SIGTERM reaches only `gradline ui`; it then stops each server's whole process tree.
-`--auth` turns the MLflow server into a team server with MLflow's basic-auth app.
+`--auth` turns the MLflow server into a team server with MLflow's basic-auth app, and
+puts the Prefect server behind its one shared credential (PREFECT_SERVER_API_AUTH_STRING).
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ from training.project import default_tracking_uri
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 AUTH_CONFIG = "basic_auth.ini"
 AUTH_DB = "basic_auth.db"
+# Prefect's server checks every request against one shared credential; its clients
+# (`gradline run`, `gradline serve`, the flow's workers) send theirs from the second.
+PREFECT_SERVER_AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING"
+PREFECT_CLIENT_AUTH_ENV = "PREFECT_API_AUTH_STRING"
 
 
 @dataclass(frozen=True)
 class UiOptions:
     mlflow_port: int = 5000
     prefect_port: int = 4200
-    host: str = "127.0.0.1"  # where MLflow listens; Prefect has no auth and stays on loopback
+    host: str = "127.0.0.1"  # where MLflow listens; Prefect stays on loopback
     auth: bool = False
     allowed_hosts: str | None = None  # Host headers MLflow accepts besides its defaults
     workers: int = 1  # one uvicorn worker serves a team's UI; MLflow's default 4 cost ~1 GB
@@ -46,8 +51,8 @@ class _StopRequested(Exception):
 def serve_uis(root: Path, options: UiOptions) -> int:
     """Run both servers until a stop signal (exit 0) or until one exits on its own (exit 1)."""
     _check_host(options)
+    prefect_cmd, prefect_env = prefect_server(options)  # first: its credential may be missing
     mlflow_cmd, mlflow_env = mlflow_server(root, options)
-    prefect_cmd, prefect_env = prefect_server(options)
     procs: list[subprocess.Popen] = []
     crashed: subprocess.Popen | None = None
     with _stop_signals():
@@ -116,9 +121,26 @@ def prefect_server(options: UiOptions) -> tuple[list[str], dict[str, str]]:
         PREFECT_SERVER_UI_API_URL=api_url,
         PREFECT_API_URL=api_url,
     )
+    if options.auth:
+        env.update(prefect_auth_environment())
     cmd = [str(Path(sys.executable).parent / "prefect"), "server", "start"]
     cmd += ["--host", "127.0.0.1", "--port", str(options.prefect_port)]
     return cmd, env
+
+
+def prefect_auth_environment() -> dict[str, str]:
+    """The Prefect server's credential, from PREFECT_SERVER_API_AUTH_STRING or else the
+    client's PREFECT_API_AUTH_STRING (one value, both sides). The server's own services
+    call its API too, so they get the client setting as well."""
+    credential = os.environ.get(PREFECT_SERVER_AUTH_ENV) or os.environ.get(PREFECT_CLIENT_AUTH_ENV)
+    if not credential:
+        raise TrackingError(
+            "gradline ui --auth protects the Prefect server with one shared credential: "
+            f"set {PREFECT_SERVER_AUTH_ENV}=<user>:<password> (e.g. "
+            f"`export {PREFECT_SERVER_AUTH_ENV}=team:$(openssl rand -hex 16)`), and give "
+            f"clients (gradline run, gradline serve) the same value as {PREFECT_CLIENT_AUTH_ENV}"
+        )
+    return {PREFECT_SERVER_AUTH_ENV: credential, PREFECT_CLIENT_AUTH_ENV: credential}
 
 
 def auth_environment(store_dir: Path) -> dict[str, str]:
@@ -251,7 +273,9 @@ def _print_usage(options: UiOptions) -> None:
             "MLflow asks for a user name and password. Point clients at it with\n"
             f"  MLFLOW_TRACKING_URI={mlflow_url}\n"
             "  MLFLOW_TRACKING_USERNAME=<user> MLFLOW_TRACKING_PASSWORD=<password>\n"
-            f"The admin adds users at {mlflow_url}/signup or with mlflow.server.get_app_client."
+            f"The admin adds users at {mlflow_url}/signup or with mlflow.server.get_app_client.\n"
+            f"Prefect asks for its shared credential: clients set {PREFECT_CLIENT_AUTH_ENV} "
+            f"to the value of {PREFECT_SERVER_AUTH_ENV} here."
         )
     print("Ctrl-C (or SIGTERM) stops both.", flush=True)
 

@@ -326,6 +326,45 @@ def test_credentials_come_from_a_secret_never_from_literal_values() -> None:
             assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "gradline-credentials"
 
 
+@pytest.mark.timeout(60)
+def test_the_job_secret_comes_from_a_secret_in_both_job_kinds() -> None:
+    containers = [
+        load("trainjob.yaml")["spec"]["trainer"],
+        load("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"][
+            "containers"
+        ][0],
+    ]
+    for container in containers:
+        env = {e["name"]: e for e in container["env"]}
+        assert env["GRADLINE_JOB_SECRET"] == {
+            "name": "GRADLINE_JOB_SECRET",
+            "valueFrom": {
+                "secretKeyRef": {"name": "gradline-job-secret", "key": "GRADLINE_JOB_SECRET"}
+            },
+        }
+
+
+@pytest.mark.timeout(60)
+def test_network_policies_admit_only_the_job_s_own_pods() -> None:
+    policies = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "networkpolicy.yaml").read_text()))
+    # The label each job kind's pods carry, valued with the job's name.
+    pod_labels = {
+        "jobset.sigs.k8s.io/jobset-name": load("trainjob.yaml")["metadata"]["name"],
+        "training.kubeflow.org/job-name": load("pytorchjob.yaml")["metadata"]["name"],
+    }
+    selected = {}
+    for policy in policies:
+        assert check_openapi(policy, "V1NetworkPolicy") == []
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        ((label, value),) = spec["podSelector"]["matchLabels"].items()
+        (rule,) = spec["ingress"]  # one rule: from the same pods, on any port
+        assert "ports" not in rule
+        assert rule["from"] == [{"podSelector": spec["podSelector"]}]
+        selected[label] = value
+    assert selected == pod_labels
+
+
 # --- Prefect work-pool template --------------------------------------------------------
 
 
@@ -419,6 +458,7 @@ printf '%s\n' "$*" >> "$FAKE_LOG/scontrol.calls"
 _FAKE_GRADLINE = r"""#!/usr/bin/env bash
 # gradline stand-in: records what this node was asked to run, where, then behaves as told.
 printf '%s\n' "$@" > "$FAKE_LOG/node$SLURM_NODEID.argv"
+printf '%s' "${GRADLINE_JOB_SECRET:-}" > "$FAKE_LOG/node$SLURM_NODEID.secret"
 pwd > "$FAKE_LOG/node$SLURM_NODEID.cwd"
 if [[ "${FAKE_MODE:-}" == preemptible ]]; then
     trap 'exit 75' TERM
@@ -509,6 +549,22 @@ def test_sbatch_runs_one_agent_per_node_with_the_first_node_as_rendezvous(slurm,
         "runtime.rdzv_endpoint=gpu07:29500",
         "runtime.rdzv_id=gradline-4242",
     ]
+
+
+@pytest.mark.timeout(30)
+def test_sbatch_gives_every_node_one_fresh_job_secret_and_never_prints_it(slurm) -> None:
+    secrets = []
+    for _ in range(2):
+        done = _run_sbatch(slurm)
+        assert done.returncode == 0, done.stderr
+        on_nodes = {(slurm["log"] / f"node{n}.secret").read_text() for n in (0, 1)}
+        (secret,) = on_nodes  # the same on both nodes
+        assert re.fullmatch(r"[0-9a-f]{64}", secret)
+        assert secret not in done.stdout + done.stderr
+        secrets.append(secret)
+    assert secrets[0] != secrets[1]  # a new run, a new secret
+    done = _run_sbatch(slurm, GRADLINE_JOB_SECRET="given-by-the-user")
+    assert (slurm["log"] / "node1.secret").read_text() == "given-by-the-user"
 
 
 @pytest.mark.timeout(30)

@@ -7,11 +7,13 @@ from training.engine.control import Control
 from training.engine.health import Heartbeat, describe, latest_failures, record_failure
 from training.engine.launch import free_port
 
+SECRET = b"test-secret"
+
 
 def test_a_failure_record_carries_the_rank_s_last_step() -> None:
     endpoint = f"127.0.0.1:{free_port()}"
-    launcher = Control.open(endpoint, "job-a", timeout_s=10)
-    worker = Control.connect(endpoint, "job-a", timeout_s=10)
+    launcher = Control.open(endpoint, "job-a", timeout_s=10, secret=SECRET)
+    worker = Control.connect(endpoint, "job-a", timeout_s=10, secret=SECRET)
     assert launcher.hosting and not worker.hosting
     fast, slow = Heartbeat(worker, rank=0), Heartbeat(worker, rank=1, interval_s=3600)
     fast.beat(25, "sync")
@@ -26,9 +28,11 @@ def test_a_failure_record_carries_the_rank_s_last_step() -> None:
 
 def test_stop_requests_and_the_run_claim_are_per_job_and_shared() -> None:
     endpoint = f"127.0.0.1:{free_port()}"
-    first = Control.open(endpoint, "job-b", timeout_s=10)
-    second = Control.connect(endpoint, "job-b", timeout_s=10)  # another node's launcher
-    other_job = Control.connect(endpoint, "job-c", timeout_s=10)
+    first = Control.open(endpoint, "job-b", timeout_s=10, secret=SECRET)
+    second = Control.connect(
+        endpoint, "job-b", timeout_s=10, secret=SECRET
+    )  # another node's launcher
+    other_job = Control.connect(endpoint, "job-c", timeout_s=10, secret=SECRET)
     assert [first.claim("run/owner"), second.claim("run/owner")] == [True, False]
     second.request_stop()
     assert first.stop_requested() and not other_job.stop_requested()

@@ -8,6 +8,7 @@ only the checkpoint location and the tracking store (which a team runs as a serv
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import torch
 
 from training.config import Config, update_params_file
 from training.engine.launch import free_port
+from training.engine.signing import SECRET_ENV
 from training.errors import PREEMPTED_EXIT_CODE, ConfigError
 from training.mlops.runs import check_checkpoint_location
 from training.mlops.tracking import client, ensure_experiment
@@ -57,6 +59,8 @@ class Cluster:
         # The tracking server's artifact store: every node's rank 0 writes there.
         artifacts = (base / "shared" / "artifacts").as_uri()
         self.experiment = ensure_experiment(self.tracking_uri, "gradline", artifacts)
+        # Every node of a job holds the same secret for its control records.
+        self.secret = secrets.token_hex(32)
 
     def node(self, name: str, **runtime) -> Path:
         folder = self.base / name
@@ -76,7 +80,12 @@ class Cluster:
         ]
         if netns:
             command = ["ip", "netns", "exec", netns, *command]
-        environ = {**os.environ, "MLFLOW_TRACKING_URI": self.tracking_uri, **env}
+        environ = {
+            **os.environ,
+            "MLFLOW_TRACKING_URI": self.tracking_uri,
+            SECRET_ENV: self.secret,
+            **env,
+        }
         log = (folder / "node.log").open("w")
         return subprocess.Popen(command, cwd=folder, env=environ, stdout=log, stderr=log)
 

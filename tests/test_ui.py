@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flows.ui import UiOptions, auth_environment, serve_uis
+from flows.ui import UiOptions, auth_environment, prefect_server, serve_uis
 from training.errors import TrackingError
 
 from .conftest import copy_project, http_status
@@ -166,14 +166,22 @@ def test_ui_on_other_ports_with_one_mlflow_worker_stops_on_ctrl_c(tmp_path: Path
 def test_ui_auth_refuses_strangers_and_sigterm_stops_all(tmp_path: Path) -> None:
     user, password = "ada", secrets.token_urlsafe(16)
     creds = {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
+    team_credential = ("team", secrets.token_urlsafe(16))  # Prefect's one shared credential
+    creds["PREFECT_SERVER_API_AUTH_STRING"] = ":".join(team_credential)
     with _gradline_ui(tmp_path, "--auth", env=creds) as ui:
         path = "/api/2.0/mlflow/experiments/search?max_results=1"
         assert http_status(ui.mlflow_port, path) == 401
         assert http_status(ui.mlflow_port, path, auth=(user, "wrong")) == 401
         assert http_status(ui.mlflow_port, path, auth=(user, password)) == 200
         assert http_status(ui.mlflow_port, path, auth=(user, password), host="evil.example") == 403
+        assert http_status(ui.prefect_port, "/api/admin/version") == 401
+        assert http_status(ui.prefect_port, "/api/admin/version", auth=(user, password)) == 401
+        client = _prefect_client_writes(ui.prefect_port, ":".join(team_credential))
+        assert client.returncode == 0, client.stderr[-2000:]
+        stranger = _prefect_client_writes(ui.prefect_port, None)
+        assert stranger.returncode != 0 and "401" in stranger.stderr, stranger.stderr[-2000:]
         _stop_and_check(ui, signal.SIGTERM)  # what systemd and `timeout` send
-    assert password not in ui.output()
+    assert password not in ui.output() and team_credential[1] not in ui.output()
     assert password not in (tmp_path / "gradline" / "mlflow" / "basic_auth.ini").read_text()
     assert f"MLFLOW_TRACKING_URI=http://127.0.0.1:{ui.mlflow_port}" in ui.output()
 
@@ -240,6 +248,34 @@ def test_ui_on_other_ports_works_in_a_browser(tmp_path: Path) -> None:
         assert re.search(r">add_one-\w+<", dom) and re.search(r">double-\w+<", dom), dom[-3000:]
         dom = _render(f"http://127.0.0.1:{ui.mlflow_port}/#/experiments", tmp_path)
         assert ">Default<" in dom, dom[-3000:]  # the experiments list, rendered by its JS
+
+
+def _prefect_client_writes(port: int, credential: str | None) -> subprocess.CompletedProcess:
+    """Whether Prefect's own client, as `gradline run` makes it from the environment
+    (PREFECT_API_URL, PREFECT_API_AUTH_STRING), gets an answer from the server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    if credential:
+        env["PREFECT_API_AUTH_STRING"] = credential
+    code = (
+        "from prefect.client.orchestration import get_client\n"
+        'get_client(sync_client=True).create_flow_from_name("auth-check")'
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_ui_auth_needs_prefect_s_shared_credential(tmp_path, monkeypatch) -> None:
+    for name in ("PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_AUTH_STRING"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(TrackingError, match="PREFECT_SERVER_API_AUTH_STRING"):
+        serve_uis(tmp_path, UiOptions(auth=True))
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "team:pw")  # a client's value serves too
+    _, env = prefect_server(UiOptions(auth=True))
+    assert env["PREFECT_SERVER_API_AUTH_STRING"] == env["PREFECT_API_AUTH_STRING"] == "team:pw"
+    _, env = prefect_server(UiOptions())
+    assert "PREFECT_SERVER_API_AUTH_STRING" not in env
 
 
 def test_ui_refuses_a_network_address_without_auth(tmp_path: Path) -> None:

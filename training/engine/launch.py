@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
 import socket
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,11 +31,12 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from training.config import Config, RuntimeConfig
 from training.engine.consolidate import consolidate_model
-from training.engine.control import Control
+from training.engine.control import Control, split_endpoint
 from training.engine.faults import ENV as FAULT_ENV
 from training.engine.health import describe, latest_failures
 from training.engine.job import TrainJob
 from training.engine.jobdir import JobDir
+from training.engine.signing import job_secret
 from training.engine.worker import worker_main
 from training.errors import (
     CRASH_EXIT_CODE,
@@ -74,10 +77,31 @@ def free_port() -> int:
 
 def open_control(runtime: RuntimeConfig) -> Control:
     """The job's control store on the rendezvous endpoint; a one-node job without an
-    endpoint gets a private one on loopback."""
+    endpoint gets a private one on loopback. A job of several nodes without
+    GRADLINE_JOB_SECRET fails here, before anything starts."""
+    secret = job_secret(multi_node=runtime.node_range[1] > 1)
     endpoint = runtime.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     job_id = runtime.rdzv_id or f"gradline-{uuid.uuid4().hex[:8]}"
-    return Control.open(endpoint, job_id, runtime.rdzv_join_timeout_s)
+    return Control.open(endpoint, job_id, runtime.rdzv_join_timeout_s, secret)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def keep_workers_on_loopback(endpoint: str) -> bool:
+    """A job whose rendezvous is on loopback runs on this machine alone: its workers'
+    store and gloo/NCCL sockets listen on loopback too. gloo otherwise listens on the
+    address the host name resolves to, reachable from the network."""
+    if not is_loopback(split_endpoint(endpoint)[0]):
+        return False
+    if sys.platform == "linux":  # "lo" is the loopback interface's name on Linux only
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    return True
 
 
 @contextlib.contextmanager
@@ -120,8 +144,31 @@ def _failure(exc: Exception, control: Control, attempts: int, ranks: int) -> Tra
     return TrainingFailed("\n".join(lines))
 
 
+def _report_refused_records(control: Control, ranks: int) -> None:
+    """Once, as the job ends: how many records in the store failed the signature check,
+    by key (each worker also warned as it met them)."""
+    try:
+        refused = control.audit(ranks)
+    except (RuntimeError, OSError) as exc:  # the store's host is gone with its node
+        log.info("control records not audited: the store at %s is gone (%s)", control.endpoint, exc)
+        return
+    if refused:
+        log.warning(
+            "control plane: %d record(s) without this job's signature were ignored (%s); "
+            "something that does not hold GRADLINE_JOB_SECRET wrote to the store at %s",
+            sum(refused.values()),
+            ", ".join(f"{key}: {count}" for key, count in sorted(refused.items())),
+            control.endpoint,
+        )
+
+
 def _launch_config(runtime: RuntimeConfig, control: Control, max_restarts: int) -> LaunchConfig:
     min_nodes, max_nodes = runtime.node_range
+    # The workers' store (MASTER_ADDR) is served at the node's local_addr: the host name
+    # unless given; a loopback job keeps it on loopback.
+    local_addr = runtime.local_addr or None
+    if local_addr is None and keep_workers_on_loopback(control.endpoint):
+        local_addr = split_endpoint(control.endpoint)[0]
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -139,7 +186,7 @@ def _launch_config(runtime: RuntimeConfig, control: Control, max_restarts: int) 
         start_method="spawn",
         # SIGTERM is ours (a graceful stop request), not the agent's (kill the workers).
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
-        local_addr=runtime.local_addr or None,
+        local_addr=local_addr,
     )
 
 
@@ -172,6 +219,8 @@ def launch_workers(
             results = launch(job)
         except ChildFailedError as exc:
             raise _failure(exc, control, max_restarts + 1, ranks) from exc
+        finally:
+            _report_refused_records(control, ranks)
     stopped = [r for r in results.values() if r and r.get("preempted")]
     if stopped:
         raise Preempted(

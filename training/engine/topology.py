@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from training.config import MESH_DIMS
+from training.engine.listen import serve_store
 from training.errors import ConfigError
 
 
@@ -164,6 +165,7 @@ def process_group(topo: Topology, timeout_s: float = 300.0) -> Iterator[None]:
     if topo.device.type == "cuda":
         torch.cuda.set_device(topo.device)
     timeout = timedelta(seconds=timeout_s)
+    _serve_the_workers_store(topo, timeout)
     # With NCCL, a gloo side too: the loop's small control tensors (losses, timings,
     # the stop flag, the gradient norm) and checkpoint coordination stay on the CPU.
     backend = "cpu:gloo,cuda:nccl" if topo.backend == "nccl" else topo.backend
@@ -180,6 +182,18 @@ def process_group(topo: Topology, timeout_s: float = 300.0) -> Iterator[None]:
     # itself blocked in a collective waiting for us; exiting instead closes our sockets
     # and the peers fail at once ("connection closed by peer"), so the agent restarts.
     dist.destroy_process_group()
+
+
+def _serve_the_workers_store(topo: Topology, timeout: timedelta) -> None:
+    """Rank 0 serves the env:// store itself on MASTER_ADDR only: the one
+    init_process_group would start listens on every interface. Started elastic-style (no
+    agent store), init_process_group then reuses this server (same process, same port)."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if topo.rank != 0 or not address or not port:
+        return
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        return  # the agent serves it; rank 0 only connects
+    serve_store(address, int(port), timeout)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

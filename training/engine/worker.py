@@ -26,6 +26,7 @@ from training.engine.health import record_failure
 from training.engine.job import TrainJob
 from training.engine.jobdir import JobDir
 from training.engine.loop import train
+from training.engine.signing import secret_from_environment
 from training.engine.topology import Topology, process_group
 from training.engine.tracker import make_tracker
 from training.errors import GradlineError
@@ -43,7 +44,9 @@ def worker_main(job: TrainJob) -> dict[str, Any] | None:
     torch.set_num_threads(cfg.runtime.threads_per_worker)
     _set_determinism(cfg, topo)
     job_dir = JobDir(Path(job.job_dir))
-    control = Control.connect(job.rdzv_endpoint, job.rdzv_id, cfg.runtime.collective_timeout_s)
+    control = Control.connect(
+        job.rdzv_endpoint, job.rdzv_id, cfg.runtime.collective_timeout_s, secret_from_environment()
+    )
     tracker = make_tracker(topo.is_main, job.tracking, job_dir.journal)
     try:
         _refuse_after_a_lasting_failure(control)

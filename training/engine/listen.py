@@ -1,0 +1,54 @@
+"""A TCPStore server that listens only on the address it was given.
+
+torch's TCPStore server ignores its host argument when it listens: it binds every
+interface (`::`, which takes IPv4 too), so a store meant for `127.0.0.1:P` answers on
+the host's external addresses as well. TCPStore accepts an already listening socket
+(`master_listen_fd`), so we bind that socket ourselves, to the given address only.
+
+A TCPStore in the same process asked to serve the same port with `multi_tenant=True`
+(torch.distributed.elastic's c10d rendezvous, `init_process_group`'s env:// store)
+reuses the server made here instead of binding a second one, so serving the store here
+first decides where the whole process listens.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+# The servers of this process and their sockets, by port, kept for the process's life:
+# torch shares a multi-tenant server only while a TCPStore that made it lives, and a
+# socket object that is garbage collected closes its descriptor under the server.
+_serving: dict[int, tuple[dist.TCPStore, socket.socket]] = {}
+
+
+def listen_on(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host`'s address (not every interface) at `port`."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # As torch's own server does: a restarted job may reuse its port at once.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """Serve a multi-tenant TCPStore on `host:port` only; OSError if the port is taken."""
+    sock = listen_on(host, port)
+    try:
+        store = dist.TCPStore(
+            host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+            timeout=timeout, master_listen_fd=sock.fileno(),
+        )  # fmt: skip
+    except (RuntimeError, OSError):
+        sock.close()
+        raise
+    _serving[port] = (store, sock)
+    return store
