@@ -30,6 +30,7 @@ from tasks.registry import (
 )
 from tasks.watchdog import ensure_watchdogs
 from training.config import Config, load_config, write_overrides
+from training.engine.signing import job_secret
 from training.errors import GradlineError
 from training.lock import project_lock
 from training.project import Project, find_project_root
@@ -42,6 +43,8 @@ def apply_params(root: str, overrides: list[str]) -> Config:
     here, before anything is written."""
     params = Project(Path(root)).params
     cfg = load_config(params, overrides)
+    if cfg.runtime.node_range[1] > 1:  # every node needs the job's secret: say so now
+        job_secret(multi_node=True)
     if cfg.orchestrate.train_pool:  # the pool's machine checks its own device quota
         check_train_pool(cfg.orchestrate.train_pool)
     else:

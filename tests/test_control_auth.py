@@ -233,3 +233,19 @@ def _wait_for_store(endpoint: str, job_id: str, procs) -> dist.Store:
         except (RuntimeError, OSError):
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
             time.sleep(0.5)
+
+
+def test_a_multi_node_run_without_the_secret_is_refused_before_any_stage(
+    tmp_path, monkeypatch
+) -> None:
+    from flows.pipeline import apply_params
+    from tests.conftest import copy_project
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    root = tmp_path / "project"
+    copy_project(root)
+    params = (root / "params.yaml").read_text()
+    with pytest.raises(JobSecretMissing, match=SECRET_ENV):
+        nodes = ["runtime.nnodes=2", "runtime.rdzv_endpoint=127.0.0.1:29400", "runtime.rdzv_id=j"]
+        apply_params.fn(str(root), nodes)
+    assert (root / "params.yaml").read_text() == params  # refused before it was written
