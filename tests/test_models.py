@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+import yaml
 from pydantic import ValidationError
 
 from training.config import ModelConfig
@@ -357,6 +358,20 @@ def test_a_table_model_predicts_classes_from_named_columns(tracking, tmp_path):
     assert loaded.metadata.signature.inputs.input_names() == list(names)
     # The unwrapped model also takes a plain 2-D array.
     assert np.array_equal(loaded.unwrap_python_model().predictor.predict(rows), expected)
+
+
+def test_the_logged_model_holds_no_pickle(tracking, tmp_path):
+    # Logged from code: the registry keeps the model's source, not a pickled object
+    # that would run whatever its writer chose on load.
+    import mlflow
+
+    data = DataSpec("table", (12,), 3, feature_mean=MEAN, feature_std=STD)
+    _, _, model_uri = log_and_load(tracking, tmp_path, model_cfg("mlp"), "classification", data)
+    local = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(tmp_path / "dl")))
+    flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
+    assert flavor["model_code_path"].endswith("model_from_code.py"), flavor
+    pickles = [p for p in local.rglob("*") if p.suffix in (".pkl", ".pickle", ".cloudpickle")]
+    assert pickles == []
 
 
 def test_a_regression_model_predicts_values_in_the_labels_units(tracking, tmp_path):

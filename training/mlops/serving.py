@@ -9,9 +9,9 @@ inputs as its task says (training.objectives: `serve` and `signature`):
 - language models: a DataFrame with a "prompt" column -> a DataFrame with a "text"
   column, the sampled continuation; generation settings (max_new_tokens, temperature,
   top_k (0: no limit), seed) are signature params defaulting to the evaluate section's.
-`Predictor` does the work without MLflow; the pyfunc class only adapts it. mlflow is
-imported inside functions (an optional dependency), so importing this module costs
-nothing.
+`Predictor` does the work without MLflow; the pyfunc class (model_from_code.py, logged
+as source: no pickle) only adapts it. mlflow is imported inside functions (an optional
+dependency), so importing this module costs nothing.
 """
 
 from __future__ import annotations
@@ -48,25 +48,9 @@ class Predictor:
         return self.objective.serve(self.model, model_input, params)
 
 
-def _python_model():
-    """The pyfunc class, defined here so that mlflow is imported only when it is used
-    (cloudpickle stores a class defined in a function by value; its methods reach
-    `Predictor` through the `training` package shipped as code)."""
-    import mlflow.pyfunc
-
-    class GradlineModel(mlflow.pyfunc.PythonModel):
-        # The input is a table, an image array or prompts, described by an explicit
-        # signature: MLflow's switch that stops it asking for predict's type hints (its own
-        # chat models set it too). Were it gone, only a warning would come back.
-        _skip_type_hint_validation = True
-
-        def load_context(self, context) -> None:
-            self.predictor = Predictor(Path(context.artifacts[MODEL_DIR_ARTIFACT]))
-
-        def predict(self, context, model_input, params=None):
-            return self.predictor.predict(model_input, params)
-
-    return GradlineModel()
+# The pyfunc model's source: MLflow logs this file and runs it on load (models-from-code),
+# so the registry holds no pickled object.
+MODEL_CODE = Path(__file__).with_name("model_from_code.py")
 
 
 def _under(path: Path, *keys: str) -> bool:
@@ -152,7 +136,7 @@ def log_pyfunc_model(
             name=name,
             flavor=mlflow.pyfunc,
             run_id=run_id,
-            python_model=_python_model(),
+            python_model=str(MODEL_CODE),
             artifacts={MODEL_DIR_ARTIFACT: str(model_dir)},
             code_paths=_stage_code(code, Path(staging)),
             pip_requirements=requirements,
