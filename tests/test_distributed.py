@@ -19,13 +19,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from training.config import Config, jobspec, load_config, update_params_file, write_overrides
 from training.engine.launch import PREEMPTED_EXIT_CODE, TrainingFailed, launch_workers
 from training.mlops.tracking import client, ensure_experiment
 from training.models.folder import load_model_dir
 
-from .conftest import REPO, train_job
+from .conftest import REPO, copy_project, train_job
+from .resume_checks import Resumed, assert_resume_tags, assert_resumed, stopped_steps
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
@@ -118,10 +120,17 @@ def test_killed_rank_is_restarted_and_ends_bitwise_identical(
     expected = reference(workload)
     monkeypatch.setenv("GRADLINE_FAULT", "kill:rank=1:step=20:attempt=0")
     uri, run_id = _new_run(tmp_path)
-    job = _job(_shards(workload, request), tmp_path, _config(workload), (uri, run_id))
+    # Checkpoints written in the loop, so the step-16 one is surely whole when rank 1 dies
+    # (an asynchronous one in flight would be lost, and the restart would begin earlier).
+    cfg = _config(workload, runtime={"async_checkpoint": False})
+    job = _job(_shards(workload, request), tmp_path, cfg, (uri, run_id))
     result = launch_workers(job, procs_per_node=2, max_restarts=2)
+    # Killed at step 20: the restart continued from the step-16 checkpoint, not step 0.
+    resumed = [Resumed(16, written_by=2, resumed_by=2)]
+    assert_resumed(tmp_path / "ckpt", *resumed)
     assert _identical(_weights(tmp_path / "model"), expected)
     mlflow = client(uri)
+    assert_resume_tags(mlflow, run_id, resumed)
     steps = [m.step for m in mlflow.get_metric_history(run_id, "train_loss")]
     assert steps == list(range(1, result["step"] + 1))  # one value per step, none repeated
     checkpoints = {a.path for a in mlflow.list_artifacts(run_id, "checkpoints")}
@@ -224,6 +233,8 @@ def test_sigterm_checkpoints_exits_distinctly_and_resumes(
     resumed = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "(resumed)" in resumed.stderr
+    # From the checkpoint written where it stopped, by 2 ranks, under the new world size.
+    assert_resumed(job_dir, Resumed(stopped, written_by=2, resumed_by=resume_world_size))
     weights = _weights(project / "model")
     if resume_world_size == 2:
         assert _identical(weights, expected)
@@ -234,8 +245,68 @@ def test_sigterm_checkpoints_exits_distinctly_and_resumes(
     assert len(mlflow.search_runs([mlflow.get_run(run_id).info.experiment_id])) == 1
     run = mlflow.get_run(run_id)
     assert run.data.tags["gradline.runtime.procs_per_node"] == str(resume_world_size)
+    assert_resume_tags(mlflow, run_id, [Resumed(stopped)])
     steps = [m.step for m in mlflow.get_metric_history(run_id, "train_loss")]
     assert steps == sorted(set(steps)) == list(range(1, len(steps) + 1))
+
+
+def test_sigterm_to_the_stage_under_dvc_repro_stops_it_and_dvc_repro_resumes(tmp_path) -> None:
+    """`dvc repro` runs the train stage (not the flow): a preemption notice to the stage
+    (SIGTERM, as the flow's stop and a cluster's notice send it) stops training at a
+    checkpoint, dvc records nothing for the stage, and the next `dvc repro` resumes it
+    from that checkpoint in the same MLflow run, leaving `dvc status train` clean."""
+    import psutil
+
+    project = copy_project(tmp_path / "project")
+    cfg = _config("mlp", runtime={"procs_per_node": 2})
+    changes = {section: getattr(cfg, section).model_dump() for section in ("model", "train")}
+    changes |= {"optim": OPTIM, "runtime": cfg.runtime.model_dump(), "data": {"max_rows": 600}}
+    update_params_file(project / "params.yaml", changes, replace=frozenset({"model"}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
+    repro = [sys.executable, "-m", "dvc", "repro", "train"]
+    log_path = tmp_path / "first.log"
+    slow = {**env, "GRADLINE_FAULT": "slow:rank=0:step=0:seconds=0.15"}
+    with log_path.open("w") as log:
+        dvc = subprocess.Popen(repro, cwd=project, env=slow, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 150
+        while not list(project.glob("checkpoints/*/step-????????")):
+            assert dvc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.2)
+        children = psutil.Process(dvc.pid).children(recursive=True)
+        (stage,) = [p for p in children if "stage" in p.cmdline() and "train" in p.cmdline()]
+        stage.send_signal(signal.SIGTERM)
+        assert dvc.wait(timeout=120) != 0  # dvc reports the stage did not finish
+    finally:
+        if dvc.poll() is None:
+            dvc.kill()
+    first = log_path.read_text()
+    (stopped,) = stopped_steps(first)
+    (job,) = [p for p in (project / "checkpoints").iterdir() if p.is_dir()]
+    assert (job / f"step-{stopped:08d}").is_dir(), first[-3000:]
+    assert not (project / "model").exists()
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    assert "train" not in lock["stages"]  # not recorded as done
+
+    again = subprocess.run(repro, cwd=project, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    resumed = [Resumed(stopped, written_by=2, resumed_by=2)]
+    assert_resumed(job, *resumed)
+    status = subprocess.run(
+        [sys.executable, "-m", "dvc", "status", "train"],  # evaluate never ran
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert "up to date" in status.stdout, status.stdout + status.stderr
+    run_id = json.loads((project / "result.json").read_text())["run_id"]
+    mlflow = client(f"sqlite:///{project / 'mlflow' / 'mlflow.db'}")
+    assert_resume_tags(mlflow, run_id, resumed)
+    steps = [m.step for m in mlflow.get_metric_history(run_id, "train_loss")]
+    assert steps == list(range(1, len(steps) + 1))  # one value per step, none repeated
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from training.errors import USER_ERROR_EXIT_CODE, DiskFull, as_user_error, is_re
 from training.mlops.tracking import client, ensure_experiment
 
 from .conftest import REPO
+from .resume_checks import Resumed, assert_resumed
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -51,6 +52,7 @@ ls "$CK"/*/ > "$OUT/after-first.txt"
 cp -r "$CK" "$OUT/checkpoints-after-first"
 rm -f "$CK"/*/fill-ballast
 $TRAIN > "$OUT/second.log" 2>&1; echo $? > "$OUT/second.code"
+cp -r "$CK" "$OUT/checkpoints-after-second"
 """
 
 
@@ -126,6 +128,8 @@ def test_a_full_disk_stops_the_job_at_once_and_a_rerun_resumes(tiny_shards, tmp_
     second = (out / "second.log").read_text()
     assert (out / "second.code").read_text().strip() == "0", second[-3000:]
     assert "resumed from" in second and "at step 8" in second, second[-3000:]
+    (job,) = [p for p in (out / "checkpoints-after-second").iterdir() if p.is_dir()]
+    assert_resumed(job, Resumed(8, written_by=1, resumed_by=1))
     (run,) = client(tracking).search_runs([experiment])
     assert run.info.status == "FINISHED"
     steps = [m.step for m in client(tracking).get_metric_history(run.info.run_id, "train_loss")]

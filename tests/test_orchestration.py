@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from .conftest import REPO, WebhookReceiver, copy_project
+from .resume_checks import Resumed, assert_resume_tags, assert_resumed, job_of_run, stopped_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -467,8 +468,9 @@ def test_retried_training_continues_the_same_run(server, quota_projects) -> None
         server,
         "run",
         "--force",
-        "--set",
-        "runtime.max_restarts=0",
+        *("--set", "runtime.max_restarts=0"),
+        # Checkpoints written in the loop: the step-10 one is surely whole at step 15.
+        *("--set", "runtime.async_checkpoint=false"),
         GRADLINE_FAULT="fail:rank=0:step=15:once=1",
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -476,6 +478,10 @@ def test_retried_training_continues_the_same_run(server, quota_projects) -> None
     assert train["run_count"] == 2  # failed once, retried once
     run_id = json.loads((root / "result.json").read_text())["run_id"]
     assert f"MLflow run {run_id} (resumed)" in proc.stdout + proc.stderr
+    # Failed at step 15: the retry continued from the step-10 checkpoint, not step 0.
+    resumed = [Resumed(10, written_by=1, resumed_by=1)]
+    assert_resumed(job_of_run(root / "checkpoints", run_id), *resumed)
+    assert_resume_tags(_mlflow(root), run_id, resumed)
     history = _mlflow(root).get_metric_history(run_id, "train_loss")
     steps = sorted(m.step for m in history)
     assert steps == list(range(1, steps[-1] + 1))  # one value per step, no gap
@@ -506,6 +512,13 @@ def test_preemptions_spend_their_own_retry_budget(server, quota_projects) -> Non
     assert _train_task_run(server, root)["run_count"] == 4  # preempted 3 times, then done
     run_id = json.loads((root / "result.json").read_text())["run_id"]
     assert f"MLflow run {run_id} (resumed)" in proc.stdout + proc.stderr
+    # Each of the three runs after a notice resumed from the checkpoint of its stop (a
+    # stop may be reported by the stage and again by the flow: one step each).
+    stops = sorted(set(stopped_steps(proc.stdout + proc.stderr)))
+    assert len(stops) == 3, stops
+    resumed = [Resumed(step, written_by=1, resumed_by=1) for step in stops]
+    assert_resumed(job_of_run(root / "checkpoints", run_id), *resumed)
+    assert_resume_tags(_mlflow(root), run_id, resumed)
     steps = sorted(m.step for m in _mlflow(root).get_metric_history(run_id, "train_loss"))
     assert steps == list(range(1, steps[-1] + 1))  # one value per step, no gap
 
@@ -568,3 +581,6 @@ def test_a_signal_stops_the_whole_tree_and_the_next_run_resumes(server, tmp_path
     done = _gradline(root, server, "run")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"at step {stopped_step}" in done.stdout + done.stderr  # resumed where it stopped
+    run_id = json.loads((root / "result.json").read_text())["run_id"]
+    job = job_of_run(root / "checkpoints", run_id)
+    assert_resumed(job, Resumed(stopped_step, written_by=1, resumed_by=1))

@@ -20,6 +20,7 @@ from training.mlops.tracking import client, ensure_experiment
 from training.models.folder import load_model_dir
 
 from .conftest import train_job
+from .resume_checks import Resumed, assert_resumed
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -182,6 +183,11 @@ def test_a_checkpoint_resumes_under_other_layouts(
     for work, (world, parallel, into) in resumes.items():
         cfg = _config(world, parallel, eval_batch)
         resumed_run = _run(tiny_token_shards, work, cfg, tracking, into)
+        # From the step-8 checkpoint that 2 ranks wrote under dp_shard=2, by this layout.
+        written = {"written_by": 2, "written_mesh": {"dp_shard": 2}}
+        expected_mesh = parallel if world > 1 else {}
+        resumed = Resumed(8, **written, resumed_by=world, resumed_mesh=expected_mesh)
+        assert_resumed(work / "ckpt", resumed)
         got = (_losses(tracking, resumed_run), _weights(work))
         _assert_same_training(got, finished("single"))
 

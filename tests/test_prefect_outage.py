@@ -5,6 +5,7 @@ training checkpoints first, and the next run resumes)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,6 +17,8 @@ import pytest
 
 from tests.test_orchestration import BIN, _env, _processes_marked, _project
 from tests.test_watchdog import _wait_for, running_prefect_server
+
+from .resume_checks import Resumed, assert_resumed, job_of_run, resumes_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 SLOW = "slow:rank=0:step=0:seconds=0.3"  # training outlasts the outage, or the cancel
@@ -94,6 +97,10 @@ def test_prefect_server_outages_during_training(tmp_path, prefect_server) -> Non
         out = _run_again(root, server)
         # Training had finished (DVC recorded it) or resumes: never from step 0 again.
         assert "Stage 'train' didn't change, skipping" in out or "(resumed)" in out, out[-6000:]
+        resumes = resumes_of(_job(root))
+        assert len(resumes) == ("(resumed)" in out), resumes
+        assert all(r.written_by == r.resumed_by == 1 for r in resumes), resumes
+        assert_resumed(_job(root), *resumes)  # from a checkpoint past step 0, never before it
     finally:
         for pid in _processes_marked(mark):
             os.kill(pid, signal.SIGKILL)
@@ -145,9 +152,17 @@ def test_a_served_run_stopped_by_a_cancel_or_by_ctrl_c_to_serve_resumes(
         assert _processes_marked(mark) == []  # nothing of serve or its runs goes on
         out = _run_again(root, server)
         assert _resumed_at(out, second_stop), out[-6000:]  # where it stopped
+        stops = [Resumed(step, written_by=1, resumed_by=1) for step in (first_stop, second_stop)]
+        assert_resumed(_job(root), *stops)
     finally:
         for pid in _processes_marked(mark):
             os.kill(pid, signal.SIGKILL)
+
+
+def _job(root: Path) -> Path:
+    """The folder of the job whose run the project's last result names."""
+    run_id = json.loads((root / "result.json").read_text())["run_id"]
+    return job_of_run(root / "checkpoints", run_id)
 
 
 def _resumed_at(output: str, step: int) -> bool:

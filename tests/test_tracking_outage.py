@@ -7,6 +7,8 @@ the outage."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -83,6 +85,33 @@ def test_records_written_while_the_server_is_down_ship_once_it_is_back(server, t
     steps = sorted(m.step for m in history)
     assert steps == list(range(1, 31))  # every value, once: no gap, no duplicate
     assert client(server.uri).get_run(run_id).data.tags["gradline.last_step"] == "30"
+
+
+def test_a_helper_ends_when_a_left_over_helper_already_shipped_its_writers_end(tmp_path):
+    """Rank 0 killed, its helper lagging: the left-over helper holds the journal's lock
+    and ships the restarted writer's records too, its `end` among them when that writer
+    finished first. The new writer's helper then finds nothing new: it must end, not wait
+    for an `end` already shipped (its writer's close() would wait up to 10 minutes)."""
+    import json
+    import threading
+
+    from training.atomic import write_json
+    from training.mlops.tracking import _tracking_process
+
+    journal = tmp_path / "tracking.jsonl"
+    old = {"kind": "metrics", "step": 1, "values": {"train_loss": 1.0}}
+    journal.write_text(json.dumps(old) + "\n")
+    begins = journal.stat().st_size  # where the restarted writer's records start
+    new = [{**old, "step": 2}, {"kind": "end", "writer": os.getpid()}]
+    with journal.open("a") as handle:
+        handle.writelines(json.dumps(r) + "\n" for r in new)
+    write_json(journal.with_name("tracking.jsonl.shipped"), {"offset": journal.stat().st_size})
+    uri = f"http://127.0.0.1:{free_port()}"  # never asked: nothing is left to ship
+    args = (uri, "run", str(journal), os.getpid(), begins)
+    helper = threading.Thread(target=_tracking_process, args=args, daemon=True)
+    helper.start()
+    helper.join(timeout=20)
+    assert not helper.is_alive(), "the helper waits for an end that was already shipped"
 
 
 # --- The server still down when training ends: the train stage finishes, registration
@@ -276,3 +305,87 @@ def _count(uri: str, run_id: str, journal: Path) -> dict:
         "checkpoints": sorted(a.path for a in checkpoints),
         "versions": len(versions),
     }
+
+
+# --- Rank 0 killed while its helper lags behind the journal: the records the dead
+# attempt journaled but had not shipped, and those the resumed attempt writes again up
+# to the checkpoint, reach MLflow exactly once.
+
+
+def _shipper(lock: Path):
+    """The helper process shipping the journal whose lock file is `lock` (it holds it)."""
+    import psutil
+
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if any(f.path == str(lock) for f in process.open_files()):
+                return process
+    return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_rank_0_killed_while_shipping_lags_every_record_lands_once(
+    server, tiny_shards, tmp_path, monkeypatch
+) -> None:
+    """The helper is frozen (SIGSTOP) as soon as it runs, so records pile up in the
+    journal; rank 0 is killed at step 12; the frozen helper, orphaned, resumes (SIGCONT)
+    only after that, while the job restarts from step 8 with a helper of its own: the two
+    hand the journal over, and every value lands once."""
+    import signal
+    import threading
+
+    from training.config import Config
+    from training.engine.jobdir import JobDir
+    from training.engine.launch import launch_workers
+    from training.mlops.tracking import pending_records
+
+    from .conftest import train_job
+    from .resume_checks import Resumed, assert_resumed
+
+    cfg = Config.model_validate(
+        {
+            "model": {"name": "mlp", "hidden": 16, "depth": 2},
+            "train": {"epochs": 2, "batch_size": 32},
+            "runtime": {"checkpoint_every_steps": 8, "log_every_steps": 2},
+        }
+    )
+    mlflow_client = client(server.uri)
+    run_id = mlflow_client.create_run(mlflow_client.create_experiment("lag")).info.run_id
+    job = train_job(tiny_shards, tmp_path, cfg, (server.uri, run_id))
+    job_dir = JobDir(Path(job.job_dir))
+    monkeypatch.setenv(
+        "GRADLINE_FAULT", "slow:rank=0:step=0:seconds=0.1;kill:rank=0:step=12:attempt=0"
+    )
+    lag: dict[str, int] = {}
+
+    def freeze_the_helper_until_rank_0_is_dead() -> None:
+        deadline = time.monotonic() + 200
+        lock = job_dir.journal.with_name(job_dir.journal.name + ".lock")
+        helper = None
+        while helper is None and time.monotonic() < deadline:
+            helper = _shipper(lock) if lock.exists() else None
+            time.sleep(0.05)
+        if helper is None:
+            return
+        helper.send_signal(signal.SIGSTOP)
+        try:
+            while not (job_dir.health / "killed.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # SIGKILL lands just after the record
+            lag["pending"] = pending_records(job_dir.journal)  # journaled, not shipped
+        finally:
+            helper.send_signal(signal.SIGCONT)
+
+    watcher = threading.Thread(target=freeze_the_helper_until_rank_0_is_dead, daemon=True)
+    watcher.start()
+    launch_workers(job, procs_per_node=2, max_restarts=1)
+    watcher.join(timeout=60)
+    assert lag.get("pending", 0) > 0, "the helper did not lag when rank 0 died"
+    assert_resumed(job_dir.path, Resumed(8, written_by=2, resumed_by=2))
+    assert pending_records(job_dir.journal) == 0
+    expected = _journal_steps(job_dir.journal)
+    assert "train_loss" in expected
+    for key, steps in expected.items():
+        held = sorted(m.step for m in mlflow_client.get_metric_history(run_id, key))
+        assert held == steps, key  # every journaled value, none twice

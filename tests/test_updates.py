@@ -17,6 +17,7 @@ from training.mlops.tracking import client, ensure_experiment
 from training.models.folder import load_model_dir
 
 from .conftest import train_job
+from .resume_checks import Resumed, assert_resume_tags, assert_resumed, stopped_steps
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -204,9 +205,19 @@ def test_each_rule_resumes_exactly_after_sigkill_and_sigterm(
     )
     uri, experiment = tracking
     run_id = client(uri).create_run(experiment).info.run_id
-    with pytest.raises(Preempted):
-        _train(tiny_token_shards, tmp_path, RULES[name], tracking, run_id, restarts=1)
-    _train(tiny_token_shards, tmp_path, RULES[name], tracking, run_id)
+    # Checkpoints written in the loop: an asynchronous one still in flight when rank 1
+    # dies is lost, and the restart would (rightly) begin at step 0, not where it claims.
+    changes = {**RULES[name], "runtime": {**JOB["runtime"], "async_checkpoint": False}}
+    with pytest.raises(Preempted) as stop:
+        _train(tiny_token_shards, tmp_path, changes, tracking, run_id, restarts=1)
+    (stopped,) = stopped_steps(str(stop.value))
+    _train(tiny_token_shards, tmp_path, changes, tracking, run_id)
+    # The restart resumed from step 4's checkpoint, the rerun from the one the stop wrote
+    # (at step 10 or soon after): never from step 0.
+    assert stopped >= 10
+    resumed = [Resumed(4, written_by=2, resumed_by=2), Resumed(stopped, written_by=2, resumed_by=2)]
+    assert_resumed(tmp_path / "ckpt", *resumed)
+    assert_resume_tags(client(uri), run_id, resumed)
     _losses(tracking, run_id)
     got, want = _weights(tmp_path), _weights(expected_work)
     assert got.keys() == want.keys()

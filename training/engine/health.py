@@ -12,11 +12,9 @@ node reads every rank's records without a shared filesystem.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from pathlib import Path
 
 from training.engine.control import Control
 from training.errors import as_user_error, is_retryable
@@ -120,10 +118,3 @@ def latest_failures(records: list[dict]) -> list[dict]:
         return []
     last = max(r["attempt"] for r in records)
     return sorted((r for r in records if r["attempt"] == last), key=lambda r: r["time"])
-
-
-def mark_resumed(directory: Path, step: int) -> None:
-    """When the first step after a resume finished (for recovery-time measurements)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    payload = {"step": step, "time": time.time()}
-    (directory / "resumed.json").write_text(json.dumps(payload))

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from training.engine.control import Control
 from training.engine.faults import FaultPlan, parse
-from training.engine.health import SYNC, Heartbeat, mark_resumed
+from training.engine.health import SYNC, Heartbeat
 from training.engine.jobdir import JobDir
 from training.engine.timing import StepTimes
 from training.engine.topology import Topology
@@ -30,7 +30,6 @@ class Instruments:
         self.heartbeat = Heartbeat(control, topo.rank)
         self.faults = FaultPlan(parse(faults or ""), topo.rank, topo.attempt, job_dir.health)
         self.times = StepTimes()
-        self._health = job_dir.health
         # This attempt's time in steps (validation excluded) and the job's steps taken:
         # what benchmarks compare (the loop adds them up, see training.engine.loop).
         self.loop_seconds, self.loop_steps = 0.0, 0
@@ -69,9 +68,6 @@ class Instruments:
     def step_done(self) -> None:
         """This rank's gradient is done (its time breakdown is per gradient)."""
         self.times.steps += 1
-
-    def resumed(self, step: int) -> None:
-        mark_resumed(self._health, step)
 
     def close(self) -> None:
         self.heartbeat.close()

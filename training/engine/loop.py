@@ -41,6 +41,7 @@ from training.engine.job import TrainJob
 from training.engine.jobdir import JobDir
 from training.engine.nonfinite import NonFiniteGuard, weights_are_finite
 from training.engine.parallelize import parallelize
+from training.engine.resume_record import AttemptRecord, Origin
 from training.engine.schedule import lr_at
 from training.engine.steps import Layout, Segment, StepInputs
 from training.engine.topology import Topology, all_reduce_sum, broadcast_object, reduce_over_shares
@@ -138,14 +139,14 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
 
 def resume(
     setup: Setup, topo: Topology, job_dir: JobDir, intervals: IntervalLog
-) -> tuple[int, str]:
+) -> tuple[int, Origin | None]:
     """Rank 0 picks the newest complete checkpoint, so every rank resumes from the same
     one; each rank then loads its own shards of it, whatever layout wrote it. Returns the
-    step to continue from and the checkpoint ("" when starting afresh)."""
+    step to continue from and the checkpoint (None when starting afresh)."""
     found = find_latest(job_dir.path) if topo.is_main else None
     chosen = broadcast_object((str(found[0]), found[1]) if found else None, topo)
     if not chosen:
-        return 0, ""
+        return 0, None
     resume_from, train_state = chosen
     state = setup.layout.resume_state(train_state)
     shards = state.state_dict()  # this layout's shards, filled in place from the checkpoint
@@ -163,7 +164,7 @@ def resume(
             "train.batch_size; start a new job (gradline run --force)"
         )
     log.info("rank %d resumed from %s at step %d", topo.rank, resume_from, step)
-    return step, resume_from
+    return step, Origin.of(Path(resume_from), train_state)
 
 
 class StepBatches:
@@ -197,12 +198,12 @@ class Work:
         setup: Setup,
         topo: Topology,
         inst: Instruments,
-        resumed: bool,
+        record: AttemptRecord,
         guard: NonFiniteGuard,
     ) -> None:
         self.cfg, self.setup, self.topo, self.inst, self.guard = cfg, setup, topo, inst, guard
         self.batches = StepBatches(setup.loader, cfg.runtime.loader_workers, topo.device)
-        self.resumed = resumed  # until the first step after a resume ends
+        self.record: AttemptRecord | None = record  # until this attempt's first step ends
 
     def _inputs(self, n: int, **extra) -> StepInputs:
         with self.inst.phase("data_wait", n):
@@ -243,9 +244,9 @@ class Work:
 
     def _done(self, n: int) -> None:
         self.inst.step_done()
-        if self.resumed and self.topo.is_main:  # when a resumed job's first step ended
-            self.inst.resumed(n + 1)
-        self.resumed = False
+        if self.record is not None:  # this attempt's first step: where it really began
+            self.record.first_step_done(n)
+            self.record = None
 
 
 class Barriers:
@@ -328,15 +329,16 @@ class Attempt:
         self.per_epoch = setup.loader.batches_per_epoch
         self.inst = Instruments(job_dir, topo, control, job.faults)
         self.intervals = IntervalLog(cfg, topo, tracker, self.inst.times)
-        self.start, resumed_from = resume(setup, topo, job_dir, self.intervals)
+        self.start, origin = resume(setup, topo, job_dir, self.intervals)
         self.inst.times.reset()  # the first interval's clock starts with training
         self.checkpointer = Checkpointer.for_job(topo, job_dir.path, cfg.runtime, tracker)
         self.checkpoints = job_dir.path
         self.checkpointer.last_step = self.start  # what we resumed from is on disk already
         skipped = int(self.intervals.totals.get("nonfinite_steps", 0))
         self.guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, skipped)
-        self.guard.last_checkpoint = Path(resumed_from) if resumed_from else None
-        self.work = Work(cfg, setup, topo, self.inst, bool(resumed_from), self.guard)
+        self.guard.last_checkpoint = origin.path if origin else None
+        record = AttemptRecord(job_dir.health, topo, tracker, origin)
+        self.work = Work(cfg, setup, topo, self.inst, record, self.guard)
         lockstep = setup.layout.rule.lockstep
         self.barriers = Barriers(cfg.runtime, self.per_epoch, setup.total_steps, lockstep)
 

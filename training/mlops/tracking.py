@@ -152,9 +152,10 @@ class MlflowTracker:
         # When the server stopped answering (time.time()), 0 while it answers: the helper
         # sets it, close() reads it to decide whether waiting for the helper can help.
         self._outage_since = context.Value("d", 0.0)
+        begins = self._journal.tell()  # where this writer's records start
         self._process = context.Process(
             target=_tracking_process,
-            args=(tracking_uri, run_id, str(journal), os.getpid(), self._outage_since),
+            args=(tracking_uri, run_id, str(journal), os.getpid(), begins, self._outage_since),
             name="gradline-tracker",
             daemon=True,
         )
@@ -527,16 +528,26 @@ def ship_records(tracking_uri: str, run_id: str, records: list[dict]) -> None:
 
 
 def _tracking_process(
-    tracking_uri: str, run_id: str, journal: str, writer_pid: int, outage_since=None
+    tracking_uri: str,
+    run_id: str,
+    journal: str,
+    writer_pid: int,
+    writer_begins: int,
+    outage_since=None,
 ) -> None:
-    """Ship the journal to MLflow until its writer says `end` or dies."""
+    """Ship the journal to MLflow until its writer (whose records start at byte
+    `writer_begins`) says `end` or dies."""
     # Fail fast per request and let `_ship_through_outages` say what it waits for,
     # instead of MLflow's own minutes of silent retries.
     path = Path(journal)
     with shipper_lock(path), fail_fast_requests():
         mlflow_client = client(tracking_uri)
         logged_until: dict[str, int] = {}
-        offset, done = shipped_offset(path), False
+        offset = shipped_offset(path)
+        # A helper left over from a killed attempt, which held the lock until now, ships
+        # whatever the journal holds: this writer's records too, its `end` among them if
+        # the writer finished first. Waiting for that `end` again would never return.
+        done = _ended_within(path, writer_begins, offset, writer_pid)
         while not done:
             records, end = read_journal(path, offset)
             done = any(r["kind"] == "end" and r["writer"] == writer_pid for r in records)
@@ -550,6 +561,17 @@ def _tracking_process(
             else:
                 time.sleep(0.5)
             offset = end
+
+
+def _ended_within(journal: Path, start: int, stop: int, writer_pid: int) -> bool:
+    """Whether the journal's bytes [start, stop) hold `writer_pid`'s `end` record."""
+    if stop <= start:
+        return False
+    with open(journal, "rb") as handle:
+        handle.seek(start)
+        lines = handle.read(stop - start).decode("utf-8").splitlines()
+    records = (json.loads(line) for line in lines if line)
+    return any(r["kind"] == "end" and r.get("writer") == writer_pid for r in records)
 
 
 def _now_ms() -> int:
