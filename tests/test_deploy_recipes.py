@@ -311,15 +311,18 @@ def test_pytorchjob_command_takes_the_operators_elastic_environment(monkeypatch)
     ]
 
 
+def _training_containers() -> list[dict]:
+    """The training container of each Kubernetes job kind."""
+    pytorchjob = load("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]["Worker"]
+    return [
+        load("trainjob.yaml")["spec"]["trainer"],
+        pytorchjob["template"]["spec"]["containers"][0],
+    ]
+
+
 @pytest.mark.timeout(60)
 def test_credentials_come_from_a_secret_never_from_literal_values() -> None:
-    containers = [
-        load("trainjob.yaml")["spec"]["trainer"],
-        load("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"][
-            "containers"
-        ][0],
-    ]
-    for container in containers:
+    for container in _training_containers():
         env = {e["name"]: e for e in container["env"]}
         for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
             assert "value" not in env[name]
@@ -328,13 +331,7 @@ def test_credentials_come_from_a_secret_never_from_literal_values() -> None:
 
 @pytest.mark.timeout(60)
 def test_the_job_secret_comes_from_a_secret_in_both_job_kinds() -> None:
-    containers = [
-        load("trainjob.yaml")["spec"]["trainer"],
-        load("pytorchjob.yaml")["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"][
-            "containers"
-        ][0],
-    ]
-    for container in containers:
+    for container in _training_containers():
         env = {e["name"]: e for e in container["env"]}
         assert env["GRADLINE_JOB_SECRET"] == {
             "name": "GRADLINE_JOB_SECRET",

@@ -55,7 +55,7 @@ def _tensors(state) -> list[torch.Tensor]:
 def _checkpoint_tensors(folder: Path, scratch: Path) -> list[torch.Tensor]:
     single = scratch / f"{folder.name}.pt"
     dcp_to_torch_save(folder, single)
-    return _tensors(torch.load(single, weights_only=False))
+    return _tensors(torch.load(single, weights_only=True))
 
 
 @pytest.mark.multiprocess
