@@ -14,7 +14,6 @@ others), so there the variable is required.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import os
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from training.errors import ConfigError
+from training.signing import sign
 
 SECRET_ENV = "GRADLINE_JOB_SECRET"
 # Records signed this long before a reader opened the store are refused as replays from
@@ -96,7 +96,7 @@ class Signer:
             len(part).to_bytes(8, "big") + part
             for part in (self.job_id.encode(), key.encode(), body)
         )
-        return hmac.new(self.secret, message, hashlib.sha256).hexdigest().encode()
+        return sign(self.secret, message).encode()
 
     def sign(self, key: str, value: Any) -> bytes:
         body = json.dumps({"t": time.time(), "v": value}, separators=(",", ":")).encode()
