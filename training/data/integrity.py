@@ -39,8 +39,7 @@ def ensure_shard_intact(path: Path, sha256: str) -> None:
     with _lock:
         if _intact.get(key) == seen:
             return
-    with open(path, "rb") as handle:
-        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    digest = file_sha256(path)
     if digest != sha256:
         raise CorruptShard(
             f"shard {path} fails its checksum: its sha256 is {digest}, the shard manifest "
@@ -49,6 +48,12 @@ def ensure_shard_intact(path: Path, sha256: str) -> None:
         )
     with _lock:
         _intact[key] = seen
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file: what the shard manifest records and what reading checks."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def forget_checked() -> None:

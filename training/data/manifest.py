@@ -20,7 +20,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from training.data.hashing import unit_interval
-from training.data.integrity import ensure_shard_intact
+from training.data.integrity import ensure_shard_intact, file_sha256
 from training.errors import DataError, ensure_free
 
 SPLITS = ("train", "val", "test")
@@ -34,14 +34,6 @@ def split_codes(keys: np.ndarray, val_fraction: float, test_fraction: float) -> 
     however many rows are added around it."""
     u = unit_interval(keys, _SPLIT_SALT)
     return np.where(u < test_fraction, 2, np.where(u < test_fraction + val_fraction, 1, 0))
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def ensure_room_for_shards(out_dir: Path, raw_files: list[Path], per_value: float = 1.0) -> None:
