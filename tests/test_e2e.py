@@ -149,6 +149,36 @@ def test_run_trains_evaluates_and_registers(first_run) -> None:
     assert any((project / ".dvcstore").rglob("*"))
 
 
+def test_the_registered_model_is_the_best_validation_steps(first_run) -> None:
+    """train.select: best (the default): the model registered and scored is the weights of
+    the step whose validation accuracy was the best, recomputed here from its checkpoint."""
+    from training.config import load_config
+    from training.engine.checkpoint import find_at, load_model_weights
+    from training.evaluation import TestData
+    from training.models.registry import build_model
+
+    project, _, run_id = first_run
+    result = json.loads((project / "result.json").read_text())
+    final = result["final"]
+    selected, best_step = final["selected_step"], final["best_step"]
+    assert final["select"] == "best" and selected == best_step <= final["step"]
+    run = _client(project).get_run(run_id)
+    assert run.data.tags["gradline.selected_step"] == str(selected)
+    assert run.data.metrics["best_val_accuracy"] == pytest.approx(final["best_value"])
+    history = _client(project).get_metric_history(run_id, "val_accuracy")
+    assert max(m.value for m in history) == pytest.approx(final["best_value"])
+    assert min(m.step for m in history if m.value == max(h.value for h in history)) == selected
+
+    cfg = load_config(project / "params.yaml")
+    test = TestData.open(cfg, project / "data" / "shards")
+    model = build_model(cfg.model, cfg.task.type, test.data)
+    path, _ = find_at(project / "checkpoints" / result["job"], selected)
+    load_model_weights(path, model)
+    recomputed = test.score(model, cfg.evaluate.batch_size).metrics
+    assert recomputed["test_accuracy"] == pytest.approx(run.data.metrics["test_accuracy"])
+    assert recomputed["test_loss"] == pytest.approx(run.data.metrics["test_loss"])
+
+
 def test_dvc_agrees_with_the_flow(first_run) -> None:
     project, _, _ = first_run
     assert "up to date" in _dvc(project, "status").stdout

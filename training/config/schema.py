@@ -24,6 +24,7 @@ from training.config.sections import (
     UpdateConfig,
 )
 from training.data.options import SOURCES, DataConfig, ShardConfig
+from training.errors import ConfigError
 from training.models.options import BUILTINS, ModelConfig, check_model_layout
 from training.objectives import Generation, TaskConfig, tasks_learning, tasks_with_labels
 from training.options import Section
@@ -63,6 +64,7 @@ class Config(Section):
     def _sections_agree(self) -> Config:
         self._check_layout()
         self._check_task_fits_source()
+        self._check_watched_metric()
         if not self.model.target:
             self._check_model_learns_task()
             check_model_layout(
@@ -90,6 +92,12 @@ class Config(Section):
                 f"data.num_classes is required to classify a {name} table: labels are "
                 "checked against 0..num_classes-1 (or set task.type: regression)"
             )
+
+    def _check_watched_metric(self) -> None:
+        try:
+            self.task.card.validation_metric(self.train.early_stopping_metric)
+        except ConfigError as exc:
+            raise ValueError(f"train.early_stopping_metric: {exc}") from None
 
     def _check_model_learns_task(self) -> None:
         name, card = self.model.name, self.task.card

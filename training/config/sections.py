@@ -66,6 +66,31 @@ class TrainConfig(Section):
         description="steps in a row whose loss or gradient is NaN or infinite (each skipped "
         "on every rank) before the job stops as diverged",
     )
+    # Early stopping and checkpoint selection (training.engine.selection) watch one
+    # validation metric; they are job keys because they change which model comes out.
+    early_stopping_patience: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="validations in a row without improvement before the job stops early "
+        "(null: train every step)",
+    )
+    early_stopping_min_delta: float = Field(
+        0.0,
+        ge=0.0,
+        description="an improvement of the watched metric smaller than this does not count",
+    )
+    early_stopping_metric: str = Field(
+        "",
+        max_length=64,
+        description="the validation metric early stopping and select: best watch (empty: the "
+        "gate's metric on validation, e.g. val_accuracy)",
+    )
+    select: Literal["best", "last"] = Field(
+        "best",
+        description="which checkpoint becomes the model: best (by the watched validation "
+        "metric) or last",
+    )
 
 
 UpdateRule = Literal["sync", "local_sgd", "diloco", "async"]

@@ -199,6 +199,12 @@ def find_latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
+def find_at(directory: Path, step: int) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint of `step`, verified; CorruptCheckpoint when it is missing or bad."""
+    path = checkpoint_dir(directory, step)
+    return path, verify(path)
+
+
 def load_into(path: Path, state: dict[str, Any], group=None) -> None:
     """Fill `state` in place (every rank its own shards; DCP reshards as needed), after
     this rank has verified the checkpoint itself: on separate disks its copy may differ
@@ -249,6 +255,7 @@ class Checkpointer:
         )
         self._pending: Future | None = None
         self.last_step: int | None = None
+        self.pinned: int | None = None  # the best step's checkpoint: never pruned
         self.stall_seconds = 0.0
 
     @classmethod
@@ -334,12 +341,18 @@ class Checkpointer:
         return path
 
     def _prune(self, step: int) -> None:
-        for old in list_checkpoints(self.directory)[self.keep :]:
+        kept = [p for p in list_checkpoints(self.directory) if p.name != self._pinned_name]
+        for old in kept[self.keep :]:
             shutil.rmtree(old, ignore_errors=True)
         for torn in self.directory.iterdir():
             match = _TMP_NAME.match(torn.name)
             if match and int(match.group(1)) < step:
                 shutil.rmtree(torn, ignore_errors=True)
+
+    @property
+    def _pinned_name(self) -> str | None:
+        pinned = self.pinned
+        return None if pinned is None else checkpoint_dir(self.directory, pinned).name
 
     def wait(self) -> None:
         """Block until the save in flight is complete on this rank; re-raise its error."""

@@ -13,7 +13,12 @@ from pathlib import Path
 from training.config import Config
 from training.data.manifest import read_manifest
 from training.data.spec import DataSpec
-from training.engine.checkpoint import find_latest, load_model_weights
+from training.engine.checkpoint import (
+    CorruptCheckpoint,
+    find_at,
+    find_latest,
+    load_model_weights,
+)
 from training.engine.updates import model_key
 from training.errors import GradlineError
 from training.models.folder import ModelSpec, save_model_dir
@@ -26,9 +31,16 @@ class NoFinalCheckpoint(GradlineError):
     retryable = True
 
 
-def consolidate_model(cfg: Config, shard_dir: Path, job_dir: Path, model_dir: Path, step: int):
-    """Write `model_dir` (weights, what rebuilds them, the tokenizer) from the final
-    checkpoint of the job in `job_dir`, which must be at `step`."""
+class NoSelectedCheckpoint(GradlineError):
+    """The checkpoint train.select chose (the best step's) is missing or fails its check."""
+
+
+def consolidate_model(
+    cfg: Config, shard_dir: Path, job_dir: Path, model_dir: Path, step: int, selected: int
+):
+    """Write `model_dir` (weights, what rebuilds them, the tokenizer) from the checkpoint
+    of step `selected` (train.select) of the job in `job_dir`, whose final checkpoint must
+    be at `step`."""
     found = find_latest(job_dir)
     if found is None or int(found[1]["step"]) != step:
         at = f"step {found[1]['step']}" if found else "none"
@@ -36,6 +48,14 @@ def consolidate_model(cfg: Config, shard_dir: Path, job_dir: Path, model_dir: Pa
             f"training ended at step {step} but the newest complete checkpoint in {job_dir} "
             f"is {at}; run the job again to resume and save it"
         )
+    if selected != step:
+        try:
+            found = find_at(job_dir, selected)
+        except CorruptCheckpoint as exc:
+            raise NoSelectedCheckpoint(
+                f"the best step's checkpoint cannot be used: {exc}. Set train.select: last "
+                "to register the final weights, or retrain with gradline run --force"
+            ) from exc
     manifest = read_manifest(shard_dir)
     data = DataSpec.from_manifest(manifest)
     model = build_model(cfg.model, cfg.task.type, data)

@@ -231,5 +231,6 @@ def launch_workers(
         return None
     result = results[0]
     job_dir, model_dir = Path(job.job_dir), Path(job.model_dir)
-    consolidate_model(cfg, Path(job.shard_dir), job_dir, model_dir, result["step"])
+    selected = int(result.get("selected_step", result["step"]))
+    consolidate_model(cfg, Path(job.shard_dir), job_dir, model_dir, result["step"], selected)
     return result

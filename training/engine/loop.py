@@ -43,6 +43,7 @@ from training.engine.nonfinite import NonFiniteGuard, weights_are_finite
 from training.engine.parallelize import parallelize
 from training.engine.resume_record import AttemptRecord, Origin
 from training.engine.schedule import lr_at
+from training.engine.selection import Selection, record_selection
 from training.engine.steps import Layout, Segment, StepInputs
 from training.engine.topology import Topology, all_reduce_sum, broadcast_object, reduce_over_shares
 from training.engine.tracker import Tracker
@@ -138,7 +139,7 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
 
 
 def resume(
-    setup: Setup, topo: Topology, job_dir: JobDir, intervals: IntervalLog
+    setup: Setup, topo: Topology, job_dir: JobDir, intervals: IntervalLog, selection: Selection
 ) -> tuple[int, Origin | None]:
     """Rank 0 picks the newest complete checkpoint, so every rank resumes from the same
     one; each rank then loads its own shards of it, whatever layout wrote it. Returns the
@@ -155,6 +156,7 @@ def resume(
     setup.balancer.restore(train_state.get("shares"))
     setup.loader.shares = setup.balancer.shares
     intervals.totals.update(train_state.get("totals", {}))
+    selection.restore(train_state.get("selection"))
     step = int(train_state["step"])
     position = LoaderPosition.from_state_dict(train_state["loader"])
     if (position.epoch, position.batch_index) != divmod(step, setup.loader.batches_per_epoch):
@@ -329,11 +331,14 @@ class Attempt:
         self.per_epoch = setup.loader.batches_per_epoch
         self.inst = Instruments(job_dir, topo, control, job.faults)
         self.intervals = IntervalLog(cfg, topo, tracker, self.inst.times)
-        self.start, origin = resume(setup, topo, job_dir, self.intervals)
+        self.selection = Selection.for_config(cfg)
+        self.start, origin = resume(setup, topo, job_dir, self.intervals, self.selection)
+        self.stopped_early = False
         self.inst.times.reset()  # the first interval's clock starts with training
         self.checkpointer = Checkpointer.for_job(topo, job_dir.path, cfg.runtime, tracker)
         self.checkpoints = job_dir.path
         self.checkpointer.last_step = self.start  # what we resumed from is on disk already
+        self.checkpointer.pinned = self.selection.best_step
         skipped = int(self.intervals.totals.get("nonfinite_steps", 0))
         self.guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, skipped)
         self.guard.last_checkpoint = origin.path if origin else None
@@ -356,6 +361,7 @@ class Attempt:
             "mesh": self.topo.shape.as_dict(),
             "shares": self.setup.balancer.shares,
             "totals": dict(self.intervals.totals),
+            "selection": self.selection.state_dict(),
             **layout.checkpoint_info(),
         }
         with inst.phase("checkpoint_stall", step):
@@ -365,7 +371,8 @@ class Attempt:
         self.guard.last_checkpoint = checkpoint_dir(self.checkpoints, step)
         inst.loop_seconds += inst.last["checkpoint_stall"]
 
-    def evaluate(self, step: int) -> None:
+    def evaluate(self, step: int) -> bool:
+        """Validate at `step`; True when it is the best step so far."""
         setup, topo, layout = self.setup, self.topo, self.setup.layout
         self.inst.collective(step)
         started = time.perf_counter()
@@ -380,6 +387,11 @@ class Attempt:
                 self.tracker.log_text(text, f"samples/step-{step:08d}.txt")
         # Training time excludes validation: the interval's clock skips it.
         self.inst.times.started += time.perf_counter() - started
+        improved = self.selection.observe(metrics, step)
+        if improved and self.selection.keep_best:
+            # Pinned before its save, so no pruning in between can take it.
+            self.checkpointer.pinned = step
+        return improved
 
     def advance(self, step: int) -> tuple[int, Segment]:
         """Run the update rule from `step` to the next barrier, and count what it did."""
@@ -396,11 +408,10 @@ class Attempt:
         return segment.end, segment
 
     def at_barrier(self, step: int, segment: Segment) -> bool:
-        """The barrier's work; True when the job was asked to stop."""
-        rt, inst, layout = self.cfg.runtime, self.inst, self.setup.layout
+        """The barrier's work; True when the job stops here (asked to, or early)."""
+        rt, inst = self.cfg.runtime, self.inst
         if step == self.setup.total_steps:  # one model: local replicas average a last time
-            with inst.phase("sync_wait", step):
-                inst.times.bytes_sent += layout.finish(step)
+            self.finish(step)
         checkpoint_due = step % rt.checkpoint_every_steps == 0
         # A checkpoint closes the logging interval too: a job resumed from it must find
         # every step up to it already journaled, or its losses would be lost.
@@ -408,15 +419,38 @@ class Attempt:
             self.close_interval(step)
         if segment.metrics:
             self.tracker.log_metrics(segment.metrics, step)
-        if checkpoint_due:
-            self.save(step)
+        # Validation comes before the checkpoint, which then carries its verdict: a job
+        # resumed from this step knows whether it was the best one.
         epoch_end = step % self.per_epoch == 0 or step == self.setup.total_steps
+        best = False
         if (rt.eval_every_steps and step % rt.eval_every_steps == 0) or epoch_end:
-            self.evaluate(step)
+            best = self.evaluate(step) and self.selection.keep_best
+            if self.selection.should_stop and step < self.setup.total_steps:
+                self.stop_early(step)
+                return True
+        if checkpoint_due or best:
+            self.save(step)
         if not self.barriers.stop_check_due(step):
             return False
         inst.collective(step)
         return _stop_requested(self.control, self.topo)
+
+    def finish(self, step: int) -> None:
+        with self.inst.phase("sync_wait", step):
+            self.inst.times.bytes_sent += self.setup.layout.finish(step)
+
+    def stop_early(self, step: int) -> None:
+        """Validation stopped improving: this step is the job's last (the final save
+        after the loop writes it)."""
+        self.stopped_early = True
+        self.finish(step)
+        if self.topo.is_main:
+            sel = self.selection
+            log.info(
+                "early stopping at step %d: %s has not improved by more than %g for %d "
+                "validations (best %.6g at step %d)",
+                step, sel.metric, sel.min_delta, sel.waited, sel.best_value, sel.best_step,
+            )  # fmt: skip
 
     def close_interval(self, step: int) -> None:
         """Log the interval; under measured balance, new shares from the next batch on."""
@@ -455,11 +489,15 @@ def train(
     run.checkpointer.close()
     setup.layout.close()
     run.intervals.finish()
+    selected = run.selection.summary(step, run.stopped_early)
+    if not stopped or run.stopped_early:
+        record_selection(tracker, selected, step)
     tracker.close()
     run.inst.close()
-    if stopped:
+    if stopped and not run.stopped_early:
         log.warning("rank %d: stopping at step %d on request (preemption)", topo.rank, step)
         return {"preempted": True, "step": step}
     if not topo.is_main:
         return None
-    return run.intervals.result(step, run.inst, run.checkpointer.stall_seconds)
+    result = run.intervals.result(step, run.inst, run.checkpointer.stall_seconds)
+    return {**result, **selected}

@@ -37,6 +37,26 @@ class TaskCard:
     labels: LabelKind | None  # what a table's label column must hold (None: no labels)
     gate_metric: str  # the test metric the registry gate compares
     higher_is_better: bool
+    # Every metric the task reports (without "val_"/"test_"), each with whether higher
+    # is better: what early stopping and checkpoint selection may watch.
+    metrics: tuple[tuple[str, bool], ...] = ()
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.metrics)
+
+    def validation_metric(self, name: str) -> tuple[str, bool]:
+        """(`val_<name>`, higher is better) for metric `name` ("": the gate's metric);
+        ConfigError naming the task's metrics when it reports no such metric."""
+        bare = (name or self.gate_metric).removeprefix("val_").removeprefix("test_")
+        directions = dict(self.metrics)
+        if bare not in directions:
+            raise ConfigError(
+                f"task {self.name} has no validation metric {name!r}; choose one of "
+                f"{', '.join('val_' + n for n in directions)} (or leave it empty for "
+                f"val_{self.gate_metric.removeprefix('test_')}, the gate's metric)"
+            )
+        return "val_" + bare, directions[bare]
 
     def fits(self, kinds: tuple[DataKind, ...]) -> bool:
         return bool(set(kinds) & set(self.learns_from))
@@ -48,14 +68,20 @@ TASKS: dict[str, TaskCard] = {
         TaskCard(
             "classification", "classification", ("table", "image"), "classes",
             "test_accuracy", higher_is_better=True,
+            metrics=(("accuracy", True), ("macro_f1", True), ("loss", False)),
         ),
         TaskCard(
             "regression", "regression", ("table", "image"), "values",
             "test_rmse", higher_is_better=False,
+            metrics=(("rmse", False), ("mae", False), ("r2", True), ("loss", False)),
         ),
         TaskCard(
             "language_modeling", "language_modeling", ("tokens",), None,
             "test_loss", higher_is_better=False,
+            metrics=(
+                ("loss", False), ("perplexity", False), ("bits_per_token", False),
+                ("bits_per_byte", False),
+            ),
         ),
     )
 }  # fmt: skip

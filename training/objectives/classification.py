@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from training import plots
 from training.data.spec import DataSpec
 from training.errors import DataError
-from training.objectives import base
+from training.objectives import TASKS, base
 from training.objectives.base import Predictions, Reader, ratio
 
 
 class Objective(base.Objective):
     name = "classification"
-    metric_names = ("accuracy", "macro_f1", "loss")
+    metric_names = TASKS["classification"].metric_names
     prediction_dtype = np.int64
 
     def __init__(self, data: DataSpec) -> None:

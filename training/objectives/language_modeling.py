@@ -21,7 +21,7 @@ from torch import nn
 
 from training.data.spec import DataSpec
 from training.errors import DataError
-from training.objectives import Generation, base
+from training.objectives import TASKS, Generation, base
 from training.objectives.base import Reader, Scored, ratio
 
 # Baseline forward passes over token windows materialise (rows, context, vocab) log-probs;
@@ -44,7 +44,7 @@ class TextTokenizer(Protocol):
 
 class Objective(base.Objective):
     name = "language_modeling"
-    metric_names = ("loss", "perplexity", "bits_per_token", "bits_per_byte")
+    metric_names = TASKS["language_modeling"].metric_names
     num_stats = 3  # summed NLL in nats, tokens, bytes those tokens stand for
 
     def __init__(self, data: DataSpec, tokenizer: TextTokenizer | None = None) -> None:

@@ -21,13 +21,13 @@ import torch.nn.functional as F
 from training import plots
 from training.data.spec import DataSpec
 from training.errors import ConfigError, DataError
-from training.objectives import base
+from training.objectives import TASKS, base
 from training.objectives.base import Predictions, Reader, ratio
 
 
 class Objective(base.Objective):
     name = "regression"
-    metric_names = ("rmse", "mae", "r2", "loss")
+    metric_names = TASKS["regression"].metric_names
     num_stats = 5  # squared error, absolute error, centred y, centred y^2, count
     prediction_dtype = np.float32
 
