@@ -226,8 +226,7 @@ def _results(facts) -> list[str]:
 
 def _training(facts) -> list[str]:
     params, tags, metrics, final = facts.params, facts.tags, facts.metrics, facts.final or {}
-    step = final.get("step")
-    steps = f"{step:,}" if isinstance(step, int) else "n/a"
+    steps = _count(final.get("step"))
     if "epoch" in metrics:
         steps += f" ({int(metrics['epoch'])} epochs)"
     rows = [
@@ -237,9 +236,9 @@ def _training(facts) -> list[str]:
         ("optimizer", _optimizer(params)),
         ("steps", steps),
     ]
-    if "selected_step" in final:
+    if final.get("selected_step") is not None:  # train.select: the best validation step
         rule = params.get("train.select", "best")
-        rows.append(("model from step", f"{final['selected_step']:,} (train.select: {rule})"))
+        rows.append(("model from step", f"{_count(final['selected_step'])} (train.select: {rule})"))
     train_s = metrics.get("train_seconds")
     wall = (facts.end_ms - facts.start_ms) / 1000 if facts.end_ms else None
     time = f"{train_s:.2f} s in the training loop" if train_s is not None else "n/a"
@@ -264,6 +263,10 @@ def _training(facts) -> list[str]:
         *keys,
         "",
     ]
+
+
+def _count(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) else ("n/a" if value is None else str(value))
 
 
 def _layout(tags: dict[str, str]) -> str:
