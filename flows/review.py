@@ -13,12 +13,14 @@ from training.errors import DataError
 from training.mlops.filters import equals
 from training.mlops.lineage import (
     aliases_by_version,
+    artifact_url,
     model_version_url,
     parse_model_ref,
     read_lineage,
     run_url,
     ui_base,
 )
+from training.mlops.model_card import CARD_ARTIFACT, read_card
 from training.mlops.tracking import TAG_DATA_VERSION, client
 from training.objectives import TASKS
 from training.project import Project, default_tracking_uri
@@ -59,6 +61,12 @@ def lineage_text(root: Path, ref_text: str) -> str:
     lines += [f"  {k:<28} {v:.6g}" for k, v in sorted(lineage.metrics.items()) if "/" not in k]
     lines.append("params")
     lines += [f"  {k:<28} {v}" for k, v in sorted(lineage.params.items())]
+    card = read_card(tracking_uri, lineage.run_id)
+    if card is None:
+        lines.append("model card   none (registered before gradline wrote model cards)")
+    else:
+        link = artifact_url(base, lineage.experiment_id, lineage.run_id, CARD_ARTIFACT)
+        lines += [f"model card   {CARD_ARTIFACT} of the run", f"             {link}", "", card]
     return "\n".join(lines)
 
 

@@ -263,6 +263,12 @@ def _print_usage(options: UiOptions) -> None:
     mlflow_url = f"http://{_display_host(options.host)}:{options.mlflow_port}"
     prefect_url = f"http://127.0.0.1:{options.prefect_port}"
     print(f"MLflow UI:  {mlflow_url}")
+    # MLflow 3 opens in its GenAI view unless the address or the browser asks otherwise
+    # (training.mlops.lineage.MODEL_TRAINING_VIEW): say where runs and models are.
+    print(
+        "            gradline's runs and models: the sidebar's Model training switch (the "
+        "browser keeps it); links gradline prints open there"
+    )
     print(f"Prefect UI: {prefect_url}")
     print(
         "Runs show up in this Prefect UI when started with "

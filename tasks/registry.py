@@ -11,8 +11,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from tasks.dvc_stages import stale_stages
 from training.config import Config
-from training.data.manifest import read_manifest, split_digest
+from training.data.manifest import MANIFEST, read_manifest, split_digest
 from training.mlops.lineage import model_version_url, run_url, ui_base, version_tags
+from training.mlops.model_card import TAG_MODEL_CARD, CardSources, card_link, card_uri, write_card
 from training.mlops.registry import gate_score, is_gated, register_and_gate, version_of_run
 from training.mlops.sync import run_model_uri, ship_when_back
 from training.mlops.tracking import TAG_DATA_VERSION, client, redact_uri
@@ -154,7 +155,7 @@ def register_trained(root: Path, cfg: Config, wait_s: float, say) -> RunSummary:
     ship_when_back(tracking_uri, project.checkpoints, wait_s, say, "register the model")
     # A job that ended while the server was down logged its model when it shipped.
     model_uri = trained["model_uri"] or run_model_uri(tracking_uri, trained["run_id"])
-    run_tags = client(tracking_uri).get_run(trained["run_id"]).data.tags
+    run = client(tracking_uri).get_run(trained["run_id"])
     score = gate_score(cfg, metrics)
     registration = register_and_gate(
         tracking_uri,
@@ -164,7 +165,19 @@ def register_trained(root: Path, cfg: Config, wait_s: float, say) -> RunSummary:
         score,
         split_digest(manifest, "test"),
         lambda model_uri: rescore_champion(cfg, project.shards, model_uri, score.metric),
-        tags=version_tags(run_tags),
+        tags={**version_tags(run.data.tags), TAG_MODEL_CARD: card_uri(run.info.run_id)},
+        card_link=card_link(run.info.experiment_id, run.info.run_id),
+    )
+    # Once the gate has decided (its verdict is in the card); written again by every
+    # registration of the run, so a card cut short is completed by the next run.
+    sources = CardSources(project.shards / MANIFEST, project.ingest_report, project.train_result)
+    write_card(
+        tracking_uri,
+        registration.model_name,
+        registration.version,
+        registration.verdict,
+        cfg.task.card,
+        sources,
     )
     return _summarize(cfg, project.root, trained["run_id"], "completed", registration.verdict)
 

@@ -7,6 +7,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,64 @@ def assert_drawn(png: Path, min_colors: int = 16) -> None:
     assert pixels.ndim == 3 and min(pixels.shape[:2]) >= 200, (png, pixels.shape)
     colours = np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)
     assert len(colours) >= min_colors, f"{png}: only {len(colours)} colours: nothing drawn?"
+
+
+# --- the end-to-end project: one `gradline run`, shared by the e2e test modules ------------
+
+SMALL = ["--set", "data.max_rows=500", "--set", "train.epochs=8"]
+
+
+@pytest.fixture(scope="session")
+def first_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, str]:
+    """One project that has run the pipeline once: (root, the CLI's output, run id).
+    Tests that use it stand alone: none needs another test to have run first."""
+    project = copy_project(tmp_path_factory.mktemp("clone") / "gradline")
+    with WebhookReceiver() as hook:  # the team's alert channel hears of the first champion
+        notify = ["--set", "orchestrate.notify=env:TEAM_WEBHOOK"]
+        proc = _gradline(project, "run", *SMALL, *notify, env={"TEAM_WEBHOOK": hook.url})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_id = json.loads((project / "result.json").read_text())["run_id"]
+    _assert_alerted_iff_champion(hook, "-> alias 'champion'" in proc.stdout, 1, run_id)
+    return project, proc, run_id
+
+
+def _assert_alerted_iff_champion(hook, champion: bool, version: int, run_id: str) -> None:
+    """One alert exactly when the run's version was crowned; none for a challenger."""
+    assert len(hook.bodies) == int(champion), hook.bodies
+    if champion:
+        (alert,) = hook.bodies
+        assert alert["text"].startswith(f":trophy: new champion: gradline-digits v{version}")
+        assert run_id in alert["blocks"][1]["text"]["text"] and "test_accuracy=" in str(alert)
+
+
+def _env(root: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
+    env["PREFECT_HOME"] = str(root / ".prefect-home")
+    return env
+
+
+def _run(
+    root: Path, *cmd: str, timeout: int = 400, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd,
+        cwd=root,
+        env={**_env(root), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _gradline(
+    root: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return _run(root, str(Path(sys.executable).parent / "gradline"), *args, env=env)
+
+
+def _client(root: Path):
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
+    return MlflowClient(tracking_uri=store, registry_uri=store)

@@ -4,7 +4,6 @@ with the ephemeral Prefect API, DVC and the SQLite MLflow store; then `dvc repro
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,73 +11,22 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import WebhookReceiver, copy_project
+from .conftest import (
+    WebhookReceiver,
+    _assert_alerted_iff_champion,
+    _client,
+    _gradline,
+    _run,
+    copy_project,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
-
-SMALL = ["--set", "data.max_rows=500", "--set", "train.epochs=8"]
-
-
-@pytest.fixture(scope="module")
-def first_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, str]:
-    """One project that has run the pipeline once: (root, the CLI's output, run id).
-    Tests that use it stand alone: none needs another test to have run first."""
-    project = copy_project(tmp_path_factory.mktemp("clone") / "gradline")
-    with WebhookReceiver() as hook:  # the team's alert channel hears of the first champion
-        notify = ["--set", "orchestrate.notify=env:TEAM_WEBHOOK"]
-        proc = _gradline(project, "run", *SMALL, *notify, env={"TEAM_WEBHOOK": hook.url})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_id = json.loads((project / "result.json").read_text())["run_id"]
-    _assert_alerted_iff_champion(hook, "-> alias 'champion'" in proc.stdout, 1, run_id)
-    return project, proc, run_id
-
-
-def _assert_alerted_iff_champion(hook, champion: bool, version: int, run_id: str) -> None:
-    """One alert exactly when the run's version was crowned; none for a challenger."""
-    assert len(hook.bodies) == int(champion), hook.bodies
-    if champion:
-        (alert,) = hook.bodies
-        assert alert["text"].startswith(f":trophy: new champion: gradline-digits v{version}")
-        assert run_id in alert["blocks"][1]["text"]["text"] and "test_accuracy=" in str(alert)
-
-
-def _env(root: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
-    env["PREFECT_HOME"] = str(root / ".prefect-home")
-    return env
-
-
-def _run(
-    root: Path, *cmd: str, timeout: int = 400, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        cmd,
-        cwd=root,
-        env={**_env(root), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def _gradline(
-    root: Path, *args: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    return _run(root, str(Path(sys.executable).parent / "gradline"), *args, env=env)
 
 
 def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
     proc = _run(root, sys.executable, "-m", "dvc", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
-
-
-def _client(root: Path):
-    from mlflow.tracking import MlflowClient
-
-    store = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
-    return MlflowClient(tracking_uri=store, registry_uri=store)
 
 
 def test_bad_params_fail_naming_the_key_and_write_nothing(tmp_path: Path) -> None:
@@ -135,6 +83,7 @@ def test_run_trains_evaluates_and_registers(first_run) -> None:
     assert artifacts, "no checkpoint recorded on the run"
     assert {a.path for a in client.list_artifacts(run_id, "evaluation")} == {
         "evaluation/confusion_matrix.png",
+        "evaluation/details.json",  # what the model card reads (tests/test_model_card.py)
         "evaluation/loss_curves.png",
     }
     # The registered model takes raw rows through pyfunc and predicts classes.

@@ -301,7 +301,11 @@ def test_served_deployment_retrains_only_when_something_changed(server, served) 
     assert set(run1.data.params) == set(run2.data.params)
     assert {"test_accuracy", "val_loss"} <= set(run1.data.metrics) & set(run2.data.metrics)
     artifacts = {a.path for a in mlflow.list_artifacts(v2.run_id, "evaluation")}
-    assert artifacts == {"evaluation/confusion_matrix.png", "evaluation/loss_curves.png"}
+    assert artifacts == {
+        "evaluation/confusion_matrix.png",
+        "evaluation/details.json",  # the model card's intervals (tests/test_model_card.py)
+        "evaluation/loss_curves.png",
+    }
 
     # Lineage of the first version names its data version, and DVC checks it out again
     # although data/raw has moved on.

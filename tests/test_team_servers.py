@@ -21,8 +21,8 @@ from unittest import mock
 
 import pytest
 
-from .conftest import copy_project, http_status
-from .test_e2e import SMALL, _dvc, _env
+from .conftest import SMALL, _env, copy_project, http_status
+from .test_e2e import _dvc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 

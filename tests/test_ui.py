@@ -1,9 +1,12 @@
-"""`gradline ui`: both servers answer, their UIs work on any port (checked in a real
-browser), `--auth` refuses strangers, and Ctrl-C, SIGTERM or SIGHUP stops every process."""
+"""`gradline ui`: both servers answer, their UIs work on any port and show the pages a
+review opens (a run, a compare view, a model version and its card) in MLflow's Model
+training view (checked in a real browser), `--auth` refuses strangers, and Ctrl-C,
+SIGTERM or SIGHUP stops every process."""
 
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import os
 import re
@@ -25,7 +28,8 @@ import pytest
 from flows.ui import UiOptions, auth_environment, prefect_server, serve_uis
 from training.errors import TrackingError
 
-from .conftest import copy_project, http_status
+from .conftest import _client, _gradline, copy_project, http_status
+from .test_compare import TINY
 
 BIN = Path(sys.executable).parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -67,9 +71,12 @@ class RunningUi:
 
 
 @contextlib.contextmanager
-def _gradline_ui(tmp_path: Path, *args: str, env: dict | None = None) -> Iterator[RunningUi]:
-    """`gradline ui` on free (non-default) ports, once both servers answer."""
-    root = copy_project(tmp_path / "gradline")
+def _gradline_ui(
+    tmp_path: Path, *args: str, env: dict | None = None, root: Path | None = None
+) -> Iterator[RunningUi]:
+    """`gradline ui` on free (non-default) ports, once both servers answer: in `root`, or
+    a fresh copy of the project."""
+    root = root or copy_project(tmp_path / "gradline")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
     clean.update(PREFECT_HOME=str(tmp_path / "prefect-home"), **(env or {}))
     mlflow_port, prefect_port = _free_port(), _free_port()
@@ -353,3 +360,116 @@ def _render(url: str, tmp_path: Path) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
+
+
+def _text(dom: str) -> str:
+    """What the page shows: its DOM without scripts, styles and tags."""
+    shown = re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S)
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", shown)))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def test_review_pages_open_in_the_model_training_view(first_run, tmp_path: Path) -> None:
+    """Through the links gradline prints, MLflow's UI opens on model training (runs,
+    metrics, the model registry), not on its GenAI view: a run page, the compare view of
+    a parent beside its children (`compare-updates`, which adds three runs to the shared
+    project and nothing else), the model version page linking its card, and the card."""
+    from training.mlops.lineage import artifact_url
+    from training.mlops.model_card import card_link
+
+    project, first, run_id = first_run
+    printed = re.findall(r"http://127\.0\.0\.1:5000/[^\s\"',]+", first.stdout)  # `gradline run`'s
+    run_link = next(link for link in printed if f"/runs/{run_id}" in link)
+    version_link = next(link for link in printed if "/#/models/gradline-digits/" in link)
+    # (Another test may have left a sharded layout in the shared project's params.yaml:
+    # local SGD needs whole replicas.)
+    sets = [f"--set={o}" for o in (*TINY, "parallel.dp_shard=1")]
+    proc = _gradline(project, "compare-updates", "--rules", "sync,local_sgd", *sets)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    compare_link = re.search(r"side by side\s+(\S+)", proc.stdout).group(1)
+    client = _client(project)
+    experiment = client.get_experiment_by_name("gradline")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    (version,) = client.search_model_versions(f"name='gradline-digits' and run_id='{run_id}'")
+    run = client.get_run(run_id)
+    exp = experiment.experiment_id
+    parent = next(r for r in client.search_runs([exp]) if r.info.run_name == "compare-updates")
+    children = client.search_runs([exp], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert len(children) == 2
+
+    with _gradline_ui(tmp_path, root=project) as ui:
+        base = f"http://127.0.0.1:{ui.mlflow_port}"
+        training_view = f'href="#/experiments/{exp}/runs?workflowType=machine_learning"'
+
+        dom = _render(run_link.replace("http://127.0.0.1:5000", base), tmp_path)
+        shown = _text(dom)
+        assert run.info.run_name in shown and "test_accuracy" in shown, shown[-3000:]
+        assert training_view in dom and "/evaluation-runs" not in dom, shown[:2000]
+
+        compare = compare_link.replace("http://127.0.0.1:5000", base)
+        assert compare.startswith(base), compare_link  # printed for the default UI port
+        shown = _text(_render(compare, tmp_path))
+        assert "Comparing 3 Runs" in shown, shown[-3000:]
+        for child in children:
+            assert child.info.run_name in shown
+        # (Its metrics table renders the first ~17 names, alphabetically, into the DOM.)
+        assert re.search(r"update\.rule (sync local_sgd|local_sgd sync)", shown), shown[-3000:]
+        assert "samples_per_s" in shown
+        assert "Something went wrong" not in shown, shown[-3000:]
+
+        dom = _render(version_link.replace("http://127.0.0.1:5000", base), tmp_path)
+        assert version_link.endswith(f"/versions/{version.version}?workflowType=machine_learning")
+        link = card_link(exp, run_id)
+        assert f'href="{link}"' in dom, _text(dom)[-3000:]  # the description's link
+        assert f"Trained in MLflow run {run_id}" in _text(dom)
+
+        dom = _render(artifact_url(base, exp, run_id, "model_card.md"), tmp_path)
+        shown = _text(dom)
+        # The markdown rendered: headings and tables, not the raw text.
+        assert re.search(r"<h1[^>]*>Model card: gradline-digits v1<", dom), shown[-3000:]
+        assert "Results on the test split" in shown and "| test_accuracy |" not in shown
+        assert re.search(r'role="cell"[^>]*>(<[^>]+>)*test_accuracy<', dom), shown[-3000:]
+
+
+def test_experiments_are_marked_as_model_training(tmp_path: Path) -> None:
+    """One helper creates or fetches every experiment a run goes into; it marks it as
+    model training, marks one made before it did, and keeps a kind the user chose."""
+    from training.mlops.tracking import client, ensure_experiment
+
+    uri, artifacts = f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "artifacts").as_uri()
+    mlflow_client = client(uri)
+
+    def kind(experiment_id: str) -> str | None:
+        return mlflow_client.get_experiment(experiment_id).tags.get("mlflow.experimentKind")
+
+    assert kind(ensure_experiment(uri, "new", artifacts)) == "custom_model_development"
+    older = mlflow_client.create_experiment("older", artifact_location=artifacts)
+    assert kind(older) is None
+    assert ensure_experiment(uri, "older", artifacts) == older
+    assert kind(older) == "custom_model_development"
+    mlflow_client.set_experiment_tag(older, "mlflow.experimentKind", "genai_development")
+    ensure_experiment(uri, "older", artifacts)
+    assert kind(older) == "genai_development"
+
+
+def test_printed_links_ask_for_the_model_training_view() -> None:
+    from urllib.parse import parse_qs, urlsplit
+
+    from training.mlops.lineage import artifact_url, compare_url, model_version_url, run_url
+
+    base = "http://127.0.0.1:5000"
+    for link in (
+        run_url(base, "3", "abc"),
+        model_version_url(base, "m", 2),
+        artifact_url(base, "3", "abc", "model_card.md"),
+        compare_url(base, "3", ["p", "c1", "c2"]),
+    ):
+        route = urlsplit(link).fragment  # the UI routes after '#'
+        query = parse_qs(urlsplit(route).query)
+        assert link.startswith(f"{base}/#/") and query["workflowType"] == ["machine_learning"]
+    query = parse_qs(urlsplit(urlsplit(compare_url(base, "3", ["p", "c1"])).fragment).query)
+    assert json.loads(query["runs"][0]) == ["p", "c1"]
+    assert json.loads(query["experiments"][0]) == ["3"]
+    assert artifact_url("", "3", "abc", "card.md").startswith("#/experiments/3/runs/abc/")

@@ -93,7 +93,7 @@ def evaluate_stage(
     write_json(metrics_out, evaluation.metrics)
     step = int(trained["final"]["step"])
     test_digest = split_digest(read_manifest(shards), "test")
-    records = evaluation_records(cfg, step, evaluation.metrics, test_digest)
+    records = evaluation_records(cfg, step, evaluation.metrics, test_digest, evaluation.details)
     figures = [*evaluation.figures, curves]
     if job is not None and job.run_file.is_file():
         # Journaled like training's records: shipped now if the server answers, else

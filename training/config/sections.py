@@ -298,6 +298,13 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(120, ge=1, description="language_modeling: tokens generated")
     temperature: float = Field(0.8, gt=0.0, description="language_modeling: sampling")
     top_k: int | None = Field(40, ge=1, description="language_modeling: sample among the k best")
+    bootstrap_replicates: int = Field(
+        1000,
+        ge=0,
+        description="resamples of the test split behind each metric's 95 % interval in the "
+        "model card (0: no intervals)",
+    )
+    bootstrap_seed: int = Field(0, ge=0, description="seed of those resamples")
 
 
 class RegistryConfig(Section):

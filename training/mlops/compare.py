@@ -51,7 +51,7 @@ from training.mlops.compare_report import (
     write_plots,
 )
 from training.mlops.jobs import JobRequest, run_job
-from training.mlops.lineage import run_url, ui_base
+from training.mlops.lineage import compare_url, run_url, ui_base
 from training.mlops.runs import log_params, new_run, set_status
 from training.mlops.tracking import client, metric_history
 from training.models.registry import check_buildable
@@ -215,6 +215,7 @@ def _train_child(
 class CompareReport:
     parent_id: str
     run_url: str
+    compare_url: str  # the parent beside its children in the UI's compare view
     experiment: str
     tracking_uri: str
     folder: Path
@@ -232,6 +233,7 @@ class CompareReport:
             f"  MLflow run     {self.parent_id} (experiment {self.experiment!r}), the parent of\n"
             f"                 {children}\n"
             f"                 {self.run_url}\n"
+            f"  side by side   {self.compare_url}\n"
             f"  artifacts      {ARTIFACTS}/{TABLE_CSV}, {TABLE_MD}, "
             f"{', '.join(name for name, _ in PLOTS.values())}\n"
             f"  files          {self.folder}\n"
@@ -311,6 +313,9 @@ def run_comparison(
     return CompareReport(
         parent_id=parent_id,
         run_url=run_url(base, experiment_id, parent_id),
+        compare_url=compare_url(
+            base, experiment_id, [parent_id, *(child.run_id for child in children)]
+        ),
         experiment=plan.base.registry.experiment,
         tracking_uri=uri,
         folder=folder,

@@ -7,8 +7,10 @@ A model is named as `NAME@ALIAS`, `NAME/VERSION`, `models:/NAME@ALIAS`, or `NAME
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 from training.errors import TrackingError
 from training.mlops.filters import equals
@@ -66,12 +68,40 @@ def ui_base(tracking_uri: str, local_ui_url: str) -> str:
     return local_ui_url.rstrip("/")
 
 
+# MLflow 3's UI shows an experiment as a GenAI app (traces, evaluation runs, prompts)
+# or as model training (runs, metrics, models) by one switch of the browser's, the
+# `workflowType` of the page's address, else the one saved in the browser, GenAI by
+# default. (The experiment's `mlflow.experimentKind` tag decides it only in the 3.x
+# versions without that switch; gradline sets it too: tracking.ensure_experiment.) So
+# every link gradline prints asks for the model-training view.
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"
+
+
+def ui_route(base: str, route: str) -> str:
+    """`base` + `#/route` in the MLflow UI's model-training view (`base` "" gives a
+    link relative to the UI's own page, as a model version's description holds)."""
+    joiner = "&" if "?" in route else "?"
+    return f"{base}/#/{route.lstrip('/')}{joiner}{MODEL_TRAINING_VIEW}".removeprefix("/")
+
+
 def run_url(base: str, experiment_id: str, run_id: str) -> str:
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+    return ui_route(base, f"experiments/{experiment_id}/runs/{run_id}")
 
 
 def model_version_url(base: str, name: str, version: int) -> str:
-    return f"{base}/#/models/{name}/versions/{version}"
+    return ui_route(base, f"models/{name}/versions/{version}")
+
+
+def compare_url(base: str, experiment_id: str, run_ids: list[str]) -> str:
+    """The UI's side-by-side view of `run_ids` (a parent and its children)."""
+    ids = quote(json.dumps(list(run_ids), separators=(",", ":")))
+    experiments = quote(json.dumps([experiment_id]))
+    return ui_route(base, f"compare-runs?runs={ids}&experiments={experiments}")
+
+
+def artifact_url(base: str, experiment_id: str, run_id: str, path: str) -> str:
+    """The run page's artifact view opened on `path` (markdown is rendered there)."""
+    return ui_route(base, f"experiments/{experiment_id}/runs/{run_id}/artifacts/{path}")
 
 
 @dataclass(frozen=True)

@@ -142,9 +142,11 @@ def register_and_gate(
     test_digest: str,
     rescore: Callable[[str], float],
     tags: dict[str, str] | None = None,
+    card_link: str | None = None,
 ) -> Registration:
     """Register the run's model (once) and give it its alias. `rescore(model_uri)` scores
-    a champion on the current test split, or raises Incompatible.
+    a champion on the current test split, or raises Incompatible. The description links
+    `card_link` (the version's model card, written once the gate has decided).
 
     Concurrent registrations of one name: the registry hands out version numbers one at
     a time (distinct, increasing), so they order the registrants. Each gates only once
@@ -190,7 +192,9 @@ def register_and_gate(
         (f"baseline_{score.metric}", score.baseline),
     ):
         mlflow_client.set_model_version_tag(model_name, version.version, key, f"{value:.6g}")
-    gate = _Gate(mlflow_client, model_name, version.version, score, test_digest, rescore, tags)
+    gate = _Gate(
+        mlflow_client, model_name, version.version, score, test_digest, rescore, tags, card_link
+    )
     gate.wait_for(lambda other: other < gate.version)
     alias, verdict, champion_score = gate.run()
     if alias == CHAMPION:
@@ -201,10 +205,13 @@ def register_and_gate(
 class _Gate:
     """One version's way through the gate queue (see `register_and_gate`)."""
 
-    def __init__(self, mlflow_client, model_name, version, score, test_digest, rescore, tags):
+    def __init__(
+        self, mlflow_client, model_name, version, score, test_digest, rescore, tags, card_link
+    ):
         self.client, self.model_name, self.score = mlflow_client, model_name, score
         self.version = int(version)
         self.test_digest, self.rescore, self.tags = test_digest, rescore, tags
+        self.card_link = card_link
         # Says who is ahead while it waits, and stamps the server's clock on the version:
         # versions' ages are measured on that clock, not this machine's.
         self._describe(f"gate pending: waiting for registrations of {model_name} ahead")
@@ -275,7 +282,9 @@ class _Gate:
 
     def _describe(self, verdict: str) -> None:
         self.client.update_model_version(
-            self.model_name, self.version, description=_describe(self.tags, verdict)
+            self.model_name,
+            self.version,
+            description=_describe(self.tags, verdict, self.card_link),
         )
 
 
@@ -292,8 +301,9 @@ def is_gated(mlflow_client, model_name: str, run_id: str) -> bool:
     return version is not None and GATE_TAG in version.tags
 
 
-def _describe(tags: dict[str, str], verdict: str) -> str:
-    """The version's description in the registry: its verdict and where it came from."""
+def _describe(tags: dict[str, str], verdict: str, card_link: str | None = None) -> str:
+    """The version's description in the registry: its verdict, where it came from, and a
+    link to its model card (markdown: the UI renders it)."""
     lines = [
         f"{verdict[0].upper()}{verdict[1:]}.",
         f"Trained in MLflow run {tags['gradline.run_id']}.",
@@ -305,5 +315,7 @@ def _describe(tags: dict[str, str], verdict: str) -> str:
         lines.append(f"Code: git commit {tags['gradline.git_commit']}{dirty}.")
     if "gradline.prefect_flow_run_id" in tags:
         lines.append(f"Prefect flow run {tags['gradline.prefect_flow_run_id']}.")
+    if card_link:
+        lines.append(f"Model card: [model_card.md]({card_link}).")
     lines.append("`gradline lineage NAME/VERSION` prints the whole lineage.")
     return " ".join(lines)

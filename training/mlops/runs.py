@@ -24,6 +24,7 @@ from training.atomic import write_json
 from training.config import Config, jobspec
 from training.engine.jobdir import JobDir
 from training.errors import ConfigError, GradlineError
+from training.mlops.hardware import TAG_HARDWARE, describe_hardware
 from training.mlops.sync import ship_job
 from training.mlops.tracking import (
     FLOW_RUN_ENV,
@@ -135,6 +136,8 @@ def log_runtime(mlflow_client, run_id: str, cfg: Config, stage: str | None = Non
     from mlflow.entities import RunTag
 
     tags = [RunTag(k, v) for k, v in jobspec.run_tags(cfg, stage).items()]
+    if stage is None:  # a training attempt: where it runs (the model card's hardware)
+        tags.append(RunTag(TAG_HARDWARE, describe_hardware()))
     mlflow_client.log_batch(run_id, tags=tags)
 
 
@@ -159,16 +162,30 @@ def log_dataset(mlflow_client, run_id: str, cfg: Config, root: Path, data_versio
     )
 
 
+# The evaluation's details beside its metrics (intervals, per-class figures, model size):
+# what the model card reads back from the run (training.mlops.model_card).
+DETAILS_ARTIFACT = "evaluation/details.json"
+
+
 def evaluation_records(
-    cfg: Config, step: int, metrics: dict[str, float], test_digest: str
+    cfg: Config,
+    step: int,
+    metrics: dict[str, float],
+    test_digest: str,
+    details: dict | None = None,
 ) -> list[dict]:
     """The evaluate stage's results on the job's run, as journal records: the test
     metrics at the final step (a new evaluation replaces them), the test split's digest
-    (the gate compares on equal digests) and the evaluation's own settings as tags."""
+    (the gate compares on equal digests), the evaluation's own settings as tags, and its
+    `details` as DETAILS_ARTIFACT."""
     stamp = int(time.time() * 1000)
     values = {"kind": "metrics", "step": step, "time": stamp, "values": metrics, "replace": True}
     tags = {TAG_TEST_DIGEST: test_digest, **jobspec.run_tags(cfg, "evaluate")}
-    return [values, *({"kind": "tag", "key": k, "value": v} for k, v in tags.items())]
+    records = [values, *({"kind": "tag", "key": k, "value": v} for k, v in tags.items())]
+    if details is not None:
+        text = json.dumps(details, indent=2, sort_keys=True)
+        records.append({"kind": "text", "path": DETAILS_ARTIFACT, "text": text})
+    return records
 
 
 def record_evaluation(

@@ -114,12 +114,31 @@ def metric_history(
     }
 
 
+# What the MLflow UI's experiment-kind selector writes for a model-training experiment
+# (mlflow/server/js: "mlflow.experimentKind" = "custom_model_development"; the other
+# kind is "genai_development"). MLflow 3 versions that read it open such an experiment
+# on its runs rather than its traces; see lineage.MODEL_TRAINING_VIEW for the rest.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
+
+
 def ensure_experiment(tracking_uri: str, name: str, artifact_location: str | None) -> str:
+    """The id of experiment `name`, created if missing, marked as model training (an
+    experiment made before gradline marked them is marked on first use; one the user
+    marked otherwise in the UI keeps that)."""
     mlflow_client = client(tracking_uri)
     experiment = mlflow_client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    return mlflow_client.create_experiment(name, artifact_location=artifact_location)
+    if experiment is None:
+        return mlflow_client.create_experiment(
+            name,
+            artifact_location=artifact_location,
+            tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND},
+        )
+    if EXPERIMENT_KIND_TAG not in experiment.tags:
+        mlflow_client.set_experiment_tag(
+            experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND
+        )
+    return experiment.experiment_id
 
 
 class MlflowTracker:

@@ -29,6 +29,7 @@ from torch import nn
 from training import plots
 from training.data.spec import DataSpec
 from training.objectives import TASKS, Generation, TaskCard
+from training.objectives.bootstrap import Bootstrap
 
 # Rows per forward pass when the registered model predicts: bounds memory on big inputs.
 PREDICT_BATCH_ROWS = 1024
@@ -132,14 +133,28 @@ class Objective(ABC):
     def batch_stats(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A 1-D float64 vector of sums over the batch; vectors of batches add up."""
 
+    def row_stats(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """`batch_stats` of each row on its own, (rows, num_stats), dense or sparse COO:
+        what the bootstrap resamples (objectives/bootstrap.py). Summed over rows it is
+        `batch_stats`. This one scores row by row; tasks override it with one pass."""
+        rows = [self.batch_stats(output[i : i + 1], target[i : i + 1]) for i in range(len(target))]
+        return torch.stack(rows) if rows else torch.zeros(0, self.num_stats, dtype=torch.float64)
+
     @abstractmethod
     def metrics(self, stats: torch.Tensor, prefix: str) -> dict[str, float]:
         """`{prefix}_<name>` for every name in `metric_names`, from summed statistics."""
 
     @abstractmethod
-    def baseline(self, train_reader: Reader, test_reader: Reader, max_rows: int) -> dict:
+    def baseline(
+        self,
+        train_reader: Reader,
+        test_reader: Reader,
+        max_rows: int,
+        bootstrap: Bootstrap | None = None,
+    ) -> dict:
         """`baseline_test_<name>` for every metric name: a simple model fitted on at most
-        `max_rows` train rows, scored on the whole test split."""
+        `max_rows` train rows, scored on the whole test split (with `bootstrap`, its
+        intervals recorded there too: see `score_baseline`)."""
 
     def predict(self, output: torch.Tensor) -> torch.Tensor | None:
         """What one row's output predicts (a class, a value); None if nothing per row."""
@@ -155,11 +170,13 @@ class Objective(ABC):
         reduce: Reduce = _identity,
         prefix: str = "test",
         keep_predictions: bool = False,
+        bootstrap: Bootstrap | None = None,
     ) -> Scored:
         """The model's metrics over `rows` of `reader` (the training loop passes an
         all-reduce as `reduce`, so each rank scores its own rows), and with
         `keep_predictions` the per-row predictions the evaluate stage plots (this
-        process's rows only; they are not reduced).
+        process's rows only; they are not reduced). With `bootstrap` (one process, all
+        rows: the evaluate stage), the metrics' intervals are recorded in it.
 
         `model` is a module, or a callable that runs one (a pipeline's ranks other than the
         last stage's get None back and contribute no statistics)."""
@@ -175,7 +192,15 @@ class Objective(ABC):
         try:
             with torch.no_grad():
                 return self._accumulate(
-                    forward, reader, rows, batch_size, device, reduce, prefix, keep_predictions
+                    forward,
+                    reader,
+                    rows,
+                    batch_size,
+                    device,
+                    reduce,
+                    prefix,
+                    keep_predictions,
+                    bootstrap,
                 )
         finally:
             if is_module:
@@ -191,10 +216,13 @@ class Objective(ABC):
         reduce: Reduce,
         prefix: str,
         keep_predictions: bool,
+        bootstrap: Bootstrap | None = None,
+        rename: str = "",
     ) -> Scored:
         # The one evaluation path: the model and the baselines both go through it.
         # Statistics stay on the device (no sync per batch; NCCL reduces device tensors).
         stats = torch.zeros(self.num_stats, dtype=torch.float64, device=device)
+        resamples = bootstrap.start(self.num_stats) if bootstrap is not None else None
         truths: list[np.ndarray] = []
         preds: list[np.ndarray] = []
         for start in range(0, len(rows), batch_size):
@@ -204,27 +232,51 @@ class Objective(ABC):
             if output is None:
                 continue
             stats += self.batch_stats(output, target)
+            if resamples is not None:
+                resamples.add(self.row_stats(output, target).cpu())
             predicted = self.predict(output) if keep_predictions else None
             if predicted is not None:
                 truths.append(y)
                 preds.append(predicted.cpu().numpy())
         stats = reduce(stats)
+        if bootstrap is not None:
+            bootstrap.record(resamples, self.metrics, prefix, rename)
         predictions = None
         if keep_predictions and preds:
             predictions = Predictions(np.concatenate(truths), np.concatenate(preds))
         return Scored(self.metrics(stats.cpu(), prefix), predictions)
 
     def score_baseline(
-        self, forward: Forward, test_reader: Reader, batch_size: int = BASELINE_BATCH_ROWS
+        self,
+        forward: Forward,
+        test_reader: Reader,
+        batch_size: int = BASELINE_BATCH_ROWS,
+        bootstrap: Bootstrap | None = None,
     ) -> dict[str, float]:
-        """`baseline_test_<metric>` of a baseline's forward over the whole test split."""
+        """`baseline_test_<metric>` of a baseline's forward over the whole test split; with
+        `bootstrap`, their intervals under the same keys (the same seed as the model's:
+        the same resamples of the same rows)."""
         rows = np.arange(test_reader.num_rows)
         scored = self._accumulate(
-            forward, test_reader, rows, batch_size, "cpu", _identity, "test", False
+            forward,
+            test_reader,
+            rows,
+            batch_size,
+            "cpu",
+            _identity,
+            "test",
+            False,
+            bootstrap,
+            rename="baseline_",
         )
         return {f"baseline_{key}": value for key, value in scored.metrics.items()}
 
     # --- what a run shows ---------------------------------------------------------------
+
+    def per_class(self, predictions: Predictions | None) -> dict[str, list[float]]:
+        """Per-class figures of the test split for the model card ({} for tasks without
+        classes): classification gives each class's recall and support."""
+        return {}
 
     # The task's plot of its per-row predictions under the evaluate stage's plots/.
     plot_file: ClassVar[str | None] = None

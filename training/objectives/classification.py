@@ -22,6 +22,7 @@ from training.data.spec import DataSpec
 from training.errors import DataError
 from training.objectives import TASKS, base
 from training.objectives.base import Predictions, Reader, ratio
+from training.objectives.bootstrap import Bootstrap
 
 
 class Objective(base.Objective):
@@ -61,6 +62,19 @@ class Objective(base.Objective):
         nll = F.cross_entropy(output.float(), target, reduction="sum").to(torch.float64)
         return torch.cat([confusion, nll.reshape(1)])
 
+    def row_stats(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # Each row adds 1 to one confusion cell and its NLL to the last statistic: two
+        # non-zeros in a row of c*c+1, so sparse (a dense one grows with classes squared).
+        c, rows = self.num_classes, len(target)
+        cells = target.long() * c + output.argmax(dim=1)
+        nll = F.cross_entropy(output.float(), target, reduction="none").to(torch.float64)
+        index = torch.arange(rows, device=target.device).repeat(2)
+        columns = torch.cat([cells, torch.full_like(cells, c * c)])
+        values = torch.cat([torch.ones(rows, dtype=torch.float64, device=nll.device), nll])
+        return torch.sparse_coo_tensor(
+            torch.stack([index, columns]), values, (rows, self.num_stats), check_invariants=False
+        )
+
     def metrics(self, stats: torch.Tensor, prefix: str) -> dict[str, float]:
         c = self.num_classes
         confusion = stats[: c * c].reshape(c, c).numpy()
@@ -76,11 +90,19 @@ class Objective(base.Objective):
             f"{prefix}_loss": ratio(float(stats[c * c]), float(total)),
         }
 
-    def baseline(self, train_reader: Reader, test_reader: Reader, max_rows: int) -> dict:
+    def baseline(
+        self,
+        train_reader: Reader,
+        test_reader: Reader,
+        max_rows: int,
+        bootstrap: Bootstrap | None = None,
+    ) -> dict:
         x, y = base.flat_features(train_reader, base.sample_rows(train_reader.num_rows, max_rows))
         probabilities = self._fit_logistic_regression(x, y) or self._majority_class(y)
         return self.score_baseline(
-            lambda features: _log_probs(probabilities(features.numpy())), test_reader
+            lambda features: _log_probs(probabilities(features.numpy())),
+            test_reader,
+            bootstrap=bootstrap,
         )
 
     def _fit_logistic_regression(self, x: np.ndarray, y: np.ndarray):
@@ -117,6 +139,17 @@ class Objective(base.Objective):
         return lambda features: np.broadcast_to(prior, (len(features), self.num_classes))
 
     plot_file = "confusion_matrix.png"
+
+    def per_class(self, predictions: Predictions | None) -> dict[str, list[float]]:
+        """Each class's recall (NaN for a class absent from the split) and support."""
+        if predictions is None:
+            return {}
+        true = predictions.y_true.astype(np.int64)
+        hits = true == predictions.y_pred.astype(np.int64)
+        support = np.bincount(true, minlength=self.num_classes)
+        correct = np.bincount(true[hits], minlength=self.num_classes)
+        recall = [ratio(float(h), float(n)) for h, n in zip(correct, support, strict=True)]
+        return {"recall": recall, "support": support.astype(float).tolist()}
 
     def plot(self, predictions: Predictions, out: Path) -> None:
         plot_confusion_matrix(predictions, self.num_classes, out)

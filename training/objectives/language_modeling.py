@@ -23,6 +23,7 @@ from training.data.spec import DataSpec
 from training.errors import DataError
 from training.objectives import TASKS, Generation, base
 from training.objectives.base import Reader, Scored, ratio
+from training.objectives.bootstrap import Bootstrap
 
 # Baseline forward passes over token windows materialise (rows, context, vocab) log-probs;
 # this bounds one batch of them (float32 elements) to keep memory small.
@@ -94,6 +95,21 @@ class Objective(base.Objective):
             byte_count = self.token_bytes[flat].sum()
         return torch.stack([nll, tokens, byte_count])
 
+    def row_stats(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # A row is one window of tokens: the bootstrap resamples windows, not tokens.
+        rows = target.shape[0]
+        logits = output.reshape(-1, output.shape[-1]).float()
+        nll = F.cross_entropy(logits, target.reshape(-1), reduction="none").to(torch.float64)
+        nll = nll.reshape(rows, -1).sum(dim=1)
+        tokens = torch.full_like(nll, float(target[0].numel() if rows else 0))
+        if self.token_bytes is None:
+            byte_count = tokens
+        else:
+            if self.token_bytes.device != target.device:
+                self.token_bytes = self.token_bytes.to(target.device)
+            byte_count = self.token_bytes[target.reshape(rows, -1)].sum(dim=1).to(torch.float64)
+        return torch.stack([nll, tokens, byte_count], dim=1)
+
     def metrics(self, stats: torch.Tensor, prefix: str) -> dict[str, float]:
         nll, tokens, byte_count = stats.tolist()
         loss = ratio(nll, tokens)
@@ -104,7 +120,13 @@ class Objective(base.Objective):
             f"{prefix}_bits_per_byte": ratio(nll, byte_count) / math.log(2),
         }
 
-    def baseline(self, train_reader: Reader, test_reader: Reader, max_rows: int) -> dict:
+    def baseline(
+        self,
+        train_reader: Reader,
+        test_reader: Reader,
+        max_rows: int,
+        bootstrap: Bootstrap | None = None,
+    ) -> dict:
         # A unigram model: add-one smoothed token frequencies of the sampled train windows.
         _, targets = train_reader.gather(base.sample_rows(train_reader.num_rows, max_rows))
         counts = np.bincount(targets.reshape(-1), minlength=self.vocab_size) + 1.0
@@ -115,6 +137,7 @@ class Objective(base.Objective):
             lambda windows: log_probs.expand(*windows.shape, self.vocab_size),
             test_reader,
             rows_per_batch,
+            bootstrap,
         )
 
     # --- what a run shows ---------------------------------------------------------------

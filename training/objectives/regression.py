@@ -23,6 +23,7 @@ from training.data.spec import DataSpec
 from training.errors import ConfigError, DataError
 from training.objectives import TASKS, base
 from training.objectives.base import Predictions, Reader, ratio
+from training.objectives.bootstrap import Bootstrap
 
 
 class Objective(base.Objective):
@@ -85,6 +86,13 @@ class Objective(base.Objective):
             [error.square().sum(), error.abs().sum(), centred.sum(), centred.square().sum(), count]
         )
 
+    def row_stats(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        prediction, label = (t.double() for t in self._flat(output, target))
+        error = prediction - label
+        centred = label - self.label_mean
+        ones = torch.ones_like(label)
+        return torch.stack([error.square(), error.abs(), centred, centred.square(), ones], 1)
+
     def metrics(self, stats: torch.Tensor, prefix: str) -> dict[str, float]:
         squared, absolute, y_sum, y_square_sum, count = stats.tolist()
         mse = ratio(squared, count)
@@ -96,7 +104,13 @@ class Objective(base.Objective):
             f"{prefix}_loss": mse / self.label_variance,
         }
 
-    def baseline(self, train_reader: Reader, test_reader: Reader, max_rows: int) -> dict:
+    def baseline(
+        self,
+        train_reader: Reader,
+        test_reader: Reader,
+        max_rows: int,
+        bootstrap: Bootstrap | None = None,
+    ) -> dict:
         # Deferred: scikit-learn takes ~2 s to import, and every training worker imports
         # this module, though only the evaluate stage fits a baseline.
         from sklearn.linear_model import LinearRegression
@@ -110,7 +124,7 @@ class Objective(base.Objective):
             flat = features.numpy().reshape(len(features), -1)
             return torch.from_numpy(pipeline.predict(flat)).float()
 
-        return self.score_baseline(forward, test_reader)
+        return self.score_baseline(forward, test_reader, bootstrap=bootstrap)
 
     plot_file = "predicted_vs_actual.png"
 
