@@ -327,7 +327,7 @@ def _limitations(facts) -> list[str]:
         seen = [
             (r, i, int(n))
             for i, (r, n) in enumerate(zip(recall, support, strict=True))
-            if n and not math.isnan(r)
+            if n and r is not None and not math.isnan(r)
         ]
         worst = sorted(seen)[:WORST_CLASSES]
         shown = "; ".join(

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
 import re
 import shutil
 import time
 import warnings
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,9 +185,20 @@ def evaluation_records(
     tags = {TAG_TEST_DIGEST: test_digest, **jobspec.run_tags(cfg, "evaluate")}
     records = [values, *({"kind": "tag", "key": k, "value": v} for k, v in tags.items())]
     if details is not None:
-        text = json.dumps(details, indent=2, sort_keys=True)
+        # Strict JSON: a recall of a class absent from the test split is NaN, written null.
+        text = json.dumps(_nan_as_null(details), indent=2, sort_keys=True, allow_nan=False)
         records.append({"kind": "text", "path": DETAILS_ARTIFACT, "text": text})
     return records
+
+
+def _nan_as_null(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_as_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nan_as_null(v) for v in value]
+    return value
 
 
 def record_evaluation(
