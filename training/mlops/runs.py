@@ -18,9 +18,9 @@ import re
 import shutil
 import time
 import warnings
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from training.atomic import write_json
 from training.config import Config, jobspec
