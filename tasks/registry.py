@@ -12,6 +12,7 @@ from prefect.artifacts import create_markdown_artifact
 from tasks.dvc_stages import stale_stages
 from training.config import Config
 from training.data.manifest import read_manifest, split_digest
+from training.mlops.drift import record_drift
 from training.mlops.lineage import model_version_url, run_url, ui_base, version_tags
 from training.mlops.registry import gate_score, is_gated, register_and_gate, version_of_run
 from training.mlops.sync import run_model_uri, ship_when_back
@@ -156,6 +157,8 @@ def register_trained(root: Path, cfg: Config, wait_s: float, say) -> RunSummary:
     model_uri = trained["model_uri"] or run_model_uri(tracking_uri, trained["run_id"])
     run_tags = client(tracking_uri).get_run(trained["run_id"]).data.tags
     score = gate_score(cfg, metrics)
+    # The champion's reference for the next drift check, and this data's drift.
+    drift_note = record_drift(project, cfg, trained["run_id"])
     registration = register_and_gate(
         tracking_uri,
         cfg.registry.model_name,
@@ -165,6 +168,7 @@ def register_trained(root: Path, cfg: Config, wait_s: float, say) -> RunSummary:
         split_digest(manifest, "test"),
         lambda model_uri: rescore_champion(cfg, project.shards, model_uri, score.metric),
         tags=version_tags(run_tags),
+        note=drift_note,
     )
     return _summarize(cfg, project.root, trained["run_id"], "completed", registration.verdict)
 
