@@ -300,13 +300,14 @@ def test_no_champion_means_no_check_and_never_blocks() -> None:
 # ---- the champion's reference in a real MLflow store ---------------------------------
 
 
-def _champion_of(uri: str, data_version: str) -> str:
+def _champion_of(uri: str, data_version: str, artifacts: Path) -> str:
     """A run that trained on `data_version` and a model version of it holding champion
     (no model files: the drift check reads the run, never the model)."""
     from training.mlops.tracking import client, ensure_experiment
 
     mlflow = client(uri)
-    run_id = mlflow.create_run(ensure_experiment(uri, "drift", None)).info.run_id
+    experiment = ensure_experiment(uri, "drift", artifacts.as_uri())
+    run_id = mlflow.create_run(experiment).info.run_id
     mlflow.set_tag(run_id, "gradline.data_version", data_version)
     mlflow.create_registered_model("gradline-digits")
     version = mlflow.create_model_version("gradline-digits", f"runs:/{run_id}/model", run_id)
@@ -343,7 +344,7 @@ def test_the_champion_reference_comes_from_its_run(tmp_path, monkeypatch) -> Non
     # No store yet: no champion, no check, and the profile is written all the same.
     assert ingested(first=0, rows=3000)["status"] == "no_champion"
     assert json.loads(project.profile.read_text())["rows"] == 3000
-    run_id = _champion_of(project.tracking_uri, "md5-a")
+    run_id = _champion_of(project.tracking_uri, "md5-a", tmp_path / "artifacts")
     # A champion whose run carries no profile (registered before drift checks).
     drift = ingested(first=0, rows=3000)
     assert drift["status"] == "no_reference" and drift["champion"]["version"] == "1"
