@@ -246,19 +246,28 @@ def read_table(files: list[Path], width: int, columns: list[str]) -> Iterator[Ta
     """The raw table's `columns` in batches of about BATCH_VALUES feature values (the
     others come back empty)."""
     batch_rows = max(1024, BATCH_VALUES // max(width, 1))
-    empty = np.empty(0)
     for path in files:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=columns):
-            names = batch.schema.names
-            features = empty.reshape(0, width)
-            if FEATURES in names:
-                flat = batch.column(FEATURES).flatten()
-                features = flat.to_numpy(zero_copy_only=False).reshape(-1, width)
-            yield TableBatch(
-                batch.column(ROW_KEY).to_numpy() if ROW_KEY in names else empty,
-                features,
-                batch.column(LABEL).to_numpy(zero_copy_only=False) if LABEL in names else empty,
-            )
+        parquet = pq.ParquetFile(path)
+        # One row group at a time: asked for a whole file, Arrow decodes every row group
+        # before the first batch (the file's size in memory, measured); one row group
+        # (ingest's read chunk) bounds it.
+        for group in range(parquet.num_row_groups):
+            for batch in parquet.iter_batches(batch_rows, row_groups=[group], columns=columns):
+                yield _table_batch(batch, width)
+
+
+def _table_batch(batch: pa.RecordBatch, width: int) -> TableBatch:
+    names = batch.schema.names
+    empty = np.empty(0)
+    features = empty.reshape(0, width)
+    if FEATURES in names:
+        flat = batch.column(FEATURES).flatten()  # the values of these rows (offset-aware)
+        features = flat.to_numpy(zero_copy_only=False).reshape(-1, width)
+    return TableBatch(
+        batch.column(ROW_KEY).to_numpy() if ROW_KEY in names else empty,
+        features,
+        batch.column(LABEL).to_numpy(zero_copy_only=False) if LABEL in names else empty,
+    )
 
 
 def _labels_as_column(labels: np.ndarray) -> np.ndarray:
@@ -378,14 +387,15 @@ def profile_text(raw_dir: Path) -> dict[str, Any]:
     """Byte counts of every document: the unigrams of the bytes tokenizer, and a basis
     that compares across versions whatever tokenizer each trained (BPE is retrained with
     the data, so its ids mean other strings in another version)."""
-    from training.data.text import TEXT, read_documents
+    from training.data.text import DOCUMENTS_FILE, TEXT
 
     counts = np.zeros(256, dtype=np.int64)
     documents = 0
-    for batch in read_documents(raw_dir, [TEXT]):
-        column = batch.column(0)
-        counts += np.bincount(utf8_bytes(column), minlength=256)
-        documents += batch.num_rows
+    parquet = pq.ParquetFile(raw_dir / DOCUMENTS_FILE)
+    for group in range(parquet.num_row_groups):  # one at a time, as read_table does
+        for batch in parquet.iter_batches(4096, row_groups=[group], columns=[TEXT]):
+            counts += np.bincount(utf8_bytes(batch.column(0)), minlength=256)
+            documents += batch.num_rows
     return {
         "version": PROFILE_VERSION,
         "kind": "tokens",
