@@ -43,7 +43,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     ensure_watchdogs(cfg.orchestrate.notify)
     with project_lock(root, wait=not args.no_wait):  # the flow holds it too (deployments)
         try:
-            summary = pipeline(overrides=args.set, force=args.force, root=str(root))
+            summary = pipeline(
+                overrides=args.set,
+                force=args.force,
+                root=str(root),
+                accept_drift=args.accept_drift,
+            )
         except httpx.TransportError as exc:
             raise prefect_unreachable(exc) from exc
     print(summary.describe())
@@ -206,7 +211,8 @@ def _run_stage(args: argparse.Namespace, root: Path) -> None:
     from training import stages
 
     if args.name == "ingest":
-        stages.ingest_stage(root, Path(args.out), Path(args.quarantine), Path(args.report))
+        profile = Path(args.profile) if args.profile else None
+        stages.ingest_stage(root, Path(args.out), Path(args.quarantine), Path(args.report), profile)
     elif args.name == "shard":
         stages.shard_stage(root, Path(args.raw), Path(args.out))
     elif args.name == "train":
@@ -275,6 +281,12 @@ def _add_run(sub) -> None:
         "--force",
         action="store_true",
         help="run every stage even when data, params and code are unchanged",
+    )
+    run.add_argument(
+        "--accept-drift",
+        action="store_true",
+        help="train on new data that drifted from the champion's past a threshold "
+        "although orchestrate.drift is block (remembered for this data version)",
     )
     _add_no_wait(run)
     run.set_defaults(func=_cmd_run)
@@ -396,6 +408,7 @@ def _add_stage(sub) -> None:
     ingest = stage_sub.add_parser("ingest")
     for flag in ("--out", "--quarantine", "--report"):
         ingest.add_argument(flag, required=True)
+    ingest.add_argument("--profile", help="the data profile for drift checks (data/profile.json)")
     shard = stage_sub.add_parser("shard")
     shard.add_argument("--raw", required=True)
     shard.add_argument("--out", required=True)

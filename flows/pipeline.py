@@ -1,6 +1,6 @@
 """The pipeline as a Prefect flow; its body reads like the data flow in the docs.
 
-params -> (nothing changed? push, skip) -> ingest -> push data -> shard -> [device quota]
+params -> (nothing changed? push, skip) -> ingest -> drift -> push data -> shard -> [device quota]
 train -> evaluate -> push -> register -> summary. On failure the summary names the step
 and the cause. A model version is registered only once everything it was made from
 (data, shards, model) is on the DVC remote, so any clone can `dvc pull` it.
@@ -18,6 +18,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled, Completed
 
 from flows.train_pool import check_train_pool, train_on_pool
+from tasks.drift import check_drift
 from tasks.dvc_stages import push_all, push_data, run_stage, stale_stages
 from tasks.notify import notify_champion, notify_failure
 from tasks.quota import check_quota, device_slots
@@ -56,18 +57,23 @@ def apply_params(root: str, overrides: list[str]) -> Config:
 
 @flow(name="gradline")
 def pipeline(
-    overrides: list[str] | None = None, force: bool = False, root: str | None = None
+    overrides: list[str] | None = None,
+    force: bool = False,
+    root: str | None = None,
+    accept_drift: bool = False,
 ) -> RunSummary:
     """Run the stages DVC finds stale, train under the device quota, register, summarize.
 
     overrides: params.yaml values as `section.key=value`, validated like `gradline run --set`.
     force: run every stage even when data, params and code are unchanged.
+    accept_drift: train on new data that drifted from the champion's although
+    orchestrate.drift is block (remembered for this data version).
     """
     root = str(Path(root).resolve()) if root else str(find_project_root())
     try:
         # One writer per project: a second run (a deployment's, a terminal's) waits here.
         with project_lock(Path(root), say=get_run_logger().info):
-            return _run_steps(root, list(overrides or []), force)
+            return _run_steps(root, list(overrides or []), force, accept_drift)
     except (TerminationSignal, KeyboardInterrupt) as stop:
         # A signal or a cancel from Prefect: the running stage was stopped with it
         # (training saved a checkpoint), so this run is cancelled, not crashed.
@@ -76,7 +82,7 @@ def pipeline(
         return Cancelled(message=message)
 
 
-def _run_steps(root: str, overrides: list[str], force: bool) -> RunSummary:
+def _run_steps(root: str, overrides: list[str], force: bool, accept_drift: bool) -> RunSummary:
     step = "params"
     try:
         cfg = apply_params(root, overrides)
@@ -91,6 +97,8 @@ def _run_steps(root: str, overrides: list[str], force: bool) -> RunSummary:
                 return Completed(name="Skipped", message=latest.headline, data=latest)
         step = "ingest"
         run_stage(cfg, root, "ingest", force)
+        step = "drift"  # new data against the champion's: warn, or stop before training
+        check_drift(root, cfg, accept_drift)
         step = "push-data"
         push_data(root)
         step = "shard"

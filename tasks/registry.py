@@ -12,6 +12,7 @@ from prefect.artifacts import create_markdown_artifact
 from tasks.dvc_stages import stale_stages
 from training.config import Config
 from training.data.manifest import MANIFEST, read_manifest, split_digest
+from training.mlops.drift import record_drift
 from training.mlops.lineage import model_version_url, run_url, ui_base, version_tags
 from training.mlops.model_card import TAG_MODEL_CARD, CardSources, card_link, card_uri, write_card
 from training.mlops.registry import gate_score, is_gated, register_and_gate, version_of_run
@@ -157,6 +158,8 @@ def register_trained(root: Path, cfg: Config, wait_s: float, say) -> RunSummary:
     model_uri = trained["model_uri"] or run_model_uri(tracking_uri, trained["run_id"])
     run = client(tracking_uri).get_run(trained["run_id"])
     score = gate_score(cfg, metrics)
+    # The champion's reference for the next drift check, and this data's drift.
+    drift_note = record_drift(project, cfg, trained["run_id"])
     registration = register_and_gate(
         tracking_uri,
         cfg.registry.model_name,
@@ -167,6 +170,7 @@ def register_trained(root: Path, cfg: Config, wait_s: float, say) -> RunSummary:
         lambda model_uri: rescore_champion(cfg, project.shards, model_uri, score.metric),
         tags={**version_tags(run.data.tags), TAG_MODEL_CARD: card_uri(run.info.run_id)},
         card_link=card_link(run.info.experiment_id, run.info.run_id),
+        note=drift_note,
     )
     # Once the gate has decided (its verdict is in the card); written again by every
     # registration of the run, so a card cut short is completed by the next run.

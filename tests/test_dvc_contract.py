@@ -106,7 +106,7 @@ def locked(tmp_path_factory) -> Path:
     for folder in ("data/raw", "data/quarantine", "data/shards", "model", "plots"):
         (root / folder).mkdir(parents=True, exist_ok=True)
         (root / folder / "placeholder").write_text(folder)
-    for file in ("data/ingest.json", "result.json", "metrics.json"):
+    for file in ("data/ingest.json", "data/profile.json", "result.json", "metrics.json"):
         (root / file).write_text("{}")
     _dvc(root, "commit", "--force", "--quiet")
     assert json.loads(_dvc(root, "status", "--json") or "{}") == {}
@@ -120,6 +120,7 @@ def locked(tmp_path_factory) -> Path:
         ("training/data/validate.py", {"ingest", "shard", "train", "evaluate"}),
         ("training/data/text.py", {"ingest", "shard", "train", "evaluate"}),
         ("training/data/tokens.py", {"shard", "train", "evaluate"}),
+        ("training/data/profile.py", {"ingest", "shard", "train", "evaluate"}),
         ("training/models/mlp.py", {"train", "evaluate"}),
         ("training/engine/loop.py", {"train", "evaluate"}),
         ("training/objectives/classification.py", {"train", "evaluate"}),

@@ -42,6 +42,12 @@ class TrackingError(GradlineError):
     """The MLflow tracking store or registry cannot do what was asked."""
 
 
+class DriftBlocked(GradlineError):
+    """New data drifted from the champion's past a threshold and orchestrate.drift is
+    block: the run stopped before training. The message names what drifted and how to
+    accept it; running again without accepting stops the same way."""
+
+
 class RemotePushFailed(GradlineError):
     """Outputs did not reach the DVC remote, so nothing was registered. `cause` says why
     (training.mlops.remote); a full, missing or forbidden remote is not worth a retry, a

@@ -55,6 +55,11 @@ class Project:
         return self.root / "data" / "ingest.json"
 
     @property
+    def profile(self) -> Path:
+        """The data version's profile (training.data.profile), for drift checks."""
+        return self.root / "data" / "profile.json"
+
+    @property
     def shards(self) -> Path:
         return self.root / "data" / "shards"
 

@@ -15,6 +15,7 @@ from training.data.ingest import ingest
 from training.data.manifest import read_manifest, split_digest
 from training.data.shards import write_shards
 from training.evaluation import evaluate
+from training.mlops.drift import check_new_data
 from training.mlops.jobs import JobRequest, run_job
 from training.mlops.runs import evaluation_records, record_evaluation
 from training.mlops.sync import defer_evaluation, ship_if_answering
@@ -27,12 +28,20 @@ from training.project import Project, read_train_result
 log = logging.getLogger("gradline")
 
 
-def ingest_stage(root: Path, out: Path, quarantine: Path, report: Path) -> dict[str, Any]:
-    cfg = Project(root).config()
+def ingest_stage(
+    root: Path, out: Path, quarantine: Path, report: Path, profile: Path | None = None
+) -> dict[str, Any]:
+    """Ingest, then profile the new snapshot into `profile` and compare it with the
+    champion's data: the report gets a `drift` section (training.mlops.drift)."""
+    project = Project(root)
+    cfg = project.config()
     labels = cfg.task.card.labels
     result = ingest(cfg.data, root, out, quarantine, report, labels=labels).to_dict()
     log.info("ingest: %s from %s into %s", result, cfg.data.source, out)
-    return result
+    drift = check_new_data(project, cfg, out, profile or project.profile)
+    write_json(report, {**result, "drift": drift})
+    log.info("ingest: %s", drift["message"])
+    return {**result, "drift": drift}
 
 
 def shard_stage(root: Path, raw: Path, out: Path) -> dict[str, Any]:

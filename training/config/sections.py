@@ -374,6 +374,24 @@ class OrchestrateConfig(Section):
         description="with alerts on, a served deployment with a schedule and no "
         "successful run for this many hours is reported as stale",
     )
+    drift: Literal["warn", "block"] = Field(
+        "warn",
+        description="new data that drifted from the champion's past a threshold: warn, "
+        "or block (the run stops before training; `gradline run --accept-drift` accepts it)",
+    )
+    drift_psi_threshold: float = Field(
+        0.2,
+        gt=0.0,
+        description="a table's feature or label drifted when its PSI against the "
+        "champion's data is above this (0.1-0.25: a moderate shift, above: a major one)",
+    )
+    drift_js_threshold: float = Field(
+        0.1,
+        gt=0.0,
+        le=1.0,
+        description="text drifted when the Jensen-Shannon divergence (bits) of its byte "
+        "unigrams against the champion's data is above this",
+    )
 
     @field_validator("notify")
     @classmethod

@@ -27,6 +27,7 @@ MESH = ("dp_replicate", "dp_shard", "tp", "pp")
 WORST_CLASSES = 3
 SPLIT_ORDER = {"train": 0, "val": 1, "test": 2}
 NO_DRIFT = "no drift check recorded"
+DRIFT_ROWS = 5  # the most drifted features a card lists
 
 
 def number(value: Any) -> str:
@@ -177,6 +178,8 @@ def _drift(drift: Any) -> list[str]:
     lines = ["### Drift vs the previous champion", ""]
     if not isinstance(drift, dict):
         return [*lines, _cell(drift)]
+    if "message" in drift:  # the ingest stage's section (training.mlops.drift)
+        return [*lines, str(drift["message"]), "", *_drifted_features(drift)]
     scalars = [(k, v) for k, v in drift.items() if not isinstance(v, (dict, list))]
     if scalars:
         lines += _table([(k, _cell(v)) for k, v in scalars])
@@ -191,6 +194,16 @@ def _drift(drift: Any) -> list[str]:
         elif isinstance(value, (dict, list)):
             lines += ["", f"{key}: `{_cell(value)}`"]
     return lines
+
+
+def _drifted_features(drift: dict) -> list[str]:
+    """The most drifted features as a table (tables: PSI per feature, most first)."""
+    features = drift.get("features")
+    pairs = [f for f in features or [] if isinstance(f, (list, tuple)) and len(f) == 2]
+    if not pairs:
+        return []
+    rows = [(f"`{name}`", _cell(psi)) for name, psi in pairs[:DRIFT_ROWS]]
+    return ["| feature | PSI |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows), ""]
 
 
 def _results(facts) -> list[str]:

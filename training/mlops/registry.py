@@ -143,10 +143,13 @@ def register_and_gate(
     rescore: Callable[[str], float],
     tags: dict[str, str] | None = None,
     card_link: str | None = None,
+    note: str = "",
 ) -> Registration:
     """Register the run's model (once) and give it its alias. `rescore(model_uri)` scores
     a champion on the current test split, or raises Incompatible. The description links
-    `card_link` (the version's model card, written once the gate has decided).
+    `card_link` (the version's model card, written once the gate has decided). `note`
+    (e.g. the drift of its data from the champion's) follows the verdict, in its first
+    sentence.
 
     Concurrent registrations of one name: the registry hands out version numbers one at
     a time (distinct, increasing), so they order the registrants. Each gates only once
@@ -195,6 +198,7 @@ def register_and_gate(
     gate = _Gate(
         mlflow_client, model_name, version.version, score, test_digest, rescore, tags, card_link
     )
+    gate.note = note  # said after each verdict it gives
     gate.wait_for(lambda other: other < gate.version)
     alias, verdict, champion_score = gate.run()
     if alias == CHAMPION:
@@ -212,6 +216,7 @@ class _Gate:
         self.version = int(version)
         self.test_digest, self.rescore, self.tags = test_digest, rescore, tags
         self.card_link = card_link
+        self.note = ""
         # Says who is ahead while it waits, and stamps the server's clock on the version:
         # versions' ages are measured on that clock, not this machine's.
         self._describe(f"gate pending: waiting for registrations of {model_name} ahead")
@@ -249,6 +254,7 @@ class _Gate:
             self.client, self.model_name, self.score.metric, self.test_digest, self.rescore
         )
         alias, verdict = decide(self.score, champion, champion_score, why_not)
+        verdict = self._noted(verdict)
         self._describe(verdict)
         self.client.set_registered_model_alias(self.model_name, alias, self.version)
         self.client.set_model_version_tag(self.model_name, self.version, GATE_TAG, alias)
@@ -275,10 +281,15 @@ class _Gate:
         holder = self.client.get_model_version_by_alias(self.model_name, CHAMPION)
         if int(holder.version) == self.version:
             return last
-        verdict = f"challenger: v{holder.version} holds champion after {ROUNDS} take-backs"
+        verdict = self._noted(
+            f"challenger: v{holder.version} holds champion after {ROUNDS} take-backs"
+        )
         self._describe(verdict)
         self.client.set_model_version_tag(self.model_name, self.version, GATE_TAG, CHALLENGER)
         return CHALLENGER, verdict, last[2]
+
+    def _noted(self, verdict: str) -> str:
+        return f"{verdict}; {self.note}" if self.note else verdict
 
     def _describe(self, verdict: str) -> None:
         self.client.update_model_version(
