@@ -141,12 +141,14 @@ class TrialJob:
             step = record["step"]
             self.steps = max(self.steps, step)
             value = record["values"].get(metric)
-            # A step recomputed after a resume keeps its first value, as MLflow does.
-            if value is None or step in self.reported:
+            # A step recomputed after a resume keeps its first value, as MLflow does; a
+            # pruned trial's record ends where the pruner stopped it (as in Optuna's own
+            # loop), though its job trains on to its next control step.
+            if value is None or step in self.reported or self.pruned_at is not None:
                 continue
             self.reported[step] = float(value)
             self.trial.report(float(value), step)
-            if self.pruned_at is None and not finished and self.trial.should_prune():
+            if not finished and self.trial.should_prune():
                 self.pruned_at = step
                 self.say(
                     f"sweep: trial {self.trial.number} pruned at step {step} "
