@@ -1,5 +1,5 @@
-"""`gradline`: run or serve the pipeline, run one DVC stage, open the UIs, ask about
-runs and model versions.
+"""`gradline`: run or serve the pipeline, sweep its keys, run one DVC stage, open the
+UIs, ask about runs and model versions.
 
 Imports are deferred into each command so `gradline stage ...` (what dvc.yaml calls)
 starts without loading Prefect.
@@ -88,6 +88,32 @@ def _cmd_compare_updates(args: argparse.Namespace) -> int:
         report = run_comparison(plan)
     print(report.describe())
     return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from tasks.dvc_stages import reproduce_shards
+    from training.mlops.sweep import apply_best, plan_sweep, run_sweep
+    from training.mlops.tracking import store_errors
+    from training.project import default_tracking_uri, find_project_root
+
+    root = find_project_root()
+    if args.apply:
+        with project_lock(root, wait=not args.no_wait):
+            print(apply_best(root, args.set))
+        return 0
+    # The space, every bound's config and the quota are checked before anything runs.
+    plan = plan_sweep(root, args.set, _devices_here)
+    with project_lock(root, wait=not args.no_wait), store_errors(default_tracking_uri(root)):
+        reproduce_shards(root)  # the data versioned once, for every trial
+        report = run_sweep(plan)
+    print(report.describe())
+    return 0
+
+
+def _devices_here() -> int:
+    from tasks.quota import devices_here  # deferred: imports Prefect and torch
+
+    return devices_here()
 
 
 def _cmd_example(args: argparse.Namespace) -> int:
@@ -262,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gradline", description="Orchestrated, tracked, reproducible training."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = (_add_run, _add_compare, _add_example, _add_serve, _add_deploy_train)
+    commands = (_add_run, _add_compare, _add_sweep, _add_example, _add_serve, _add_deploy_train)
     for add in (*commands, _add_lineage, _add_runs, _add_sync, _add_stage, _add_ui):
         add(sub)  # each subcommand's arguments, in the order `gradline --help` lists them
     return parser
@@ -335,6 +361,34 @@ def _add_compare(sub) -> None:
     )
     _add_no_wait(compare)
     compare.set_defaults(func=_cmd_compare_updates)
+
+
+def _add_sweep(sub) -> None:
+    sweep = sub.add_parser(
+        "sweep",
+        help="search params.yaml's sweep.space with Optuna, pruning trials that fall behind",
+        description="Train trials of the sweep section's search space (Optuna: TPE or "
+        "random sampling, median or ASHA pruning on the validation metric) as child MLflow "
+        "runs of one parent run, which gets the trials table and plots. The data is "
+        "brought up to date once (`dvc repro shard`); trials run as many at once as the "
+        "device quota allows. Running it again continues the study (sweeps/<name>/) up to "
+        "its budget; Ctrl-C stops the running trials at a checkpoint, and the next run "
+        "trains them on. The pipeline's model, result and registry are left alone.",
+    )
+    sweep.add_argument(
+        "--apply",
+        action="store_true",
+        help="write the best trial's keys into params.yaml (then `gradline run`)",
+    )
+    sweep.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a params.yaml value for this sweep only (repeatable)",
+    )
+    _add_no_wait(sweep)
+    sweep.set_defaults(func=_cmd_sweep)
 
 
 def _add_example(sub) -> None:
@@ -487,7 +541,7 @@ def launch_overrides(args: argparse.Namespace) -> list[str]:
 # Commands whose work runs under a supervisor, so that a signal reaches their whole tree.
 # `serve` too: Prefect starts each served run in serve's own process group, where a
 # terminal's Ctrl-C would reach every process of the run at once.
-SUPERVISED_COMMANDS = ("run", "compare-updates", "serve")
+SUPERVISED_COMMANDS = ("run", "compare-updates", "sweep", "serve")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
-"""Signals reach the whole tree: `gradline run` and `compare-updates` run under a thin
-supervisor.
+"""Signals reach the whole tree: `gradline run`, `compare-updates` and `sweep` run under
+a thin supervisor.
 
 The supervisor starts the real command in a session of its own, so a terminal's Ctrl-C
 (SIGINT to the whole foreground process group) reaches only the supervisor, not the

@@ -9,8 +9,8 @@ Every key has one use:
   stage, part of the job key, an MLflow param;
 - it only affects evaluation and reporting (evaluate): a DVC param of the evaluate
   stage, recorded on the run as a `gradline.<key>` tag by each evaluation;
-- it only describes a run (runtime, parallel, registry, orchestrate): no stage depends
-  on it, no job key holds it; each attempt records it as a `gradline.<key>` tag.
+- it only describes a run (runtime, parallel, registry, orchestrate, sweep): no stage
+  depends on it, no job key holds it; each attempt records it as a `gradline.<key>` tag.
 
 The job key, the MLflow params and tags, `compare-updates`' checks (no key that decides
 the data) and the params lists in dvc.yaml all derive from this table
@@ -67,6 +67,8 @@ SECTION_USES: dict[str, KeyUse] = {
     "parallel": RUN,
     "registry": RUN,
     "orchestrate": RUN,
+    # A sweep searches over jobs; each trial is a job of its own (training.mlops.sweep).
+    "sweep": RUN,
 }
 # Keys used differently from the rest of their section: the task's kind of labels
 # decides how ingest reads the label column.

@@ -110,13 +110,22 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
 
 class Yaml12Loader(yaml.SafeLoader):
     """PyYAML reads YAML 1.1, where `1:2` is the base-60 number 62; in YAML 1.2 (and to
-    every reader of params.yaml) it is text, e.g. the node range `runtime.nnodes: 1:2`."""
+    every reader of params.yaml) it is text, e.g. the node range `runtime.nnodes: 1:2`.
+    And `1e-5` (an exponent without a dot) is text in YAML 1.1, a float in YAML 1.2: a
+    typed key turns the text back into a number, but in a list of sweep choices it
+    would stay text."""
 
 
 _COLON_NUMBERS = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-9_]+)+(?:\.[0-9_]*)?$")
-# Resolvers are tried in order: text first for colon-separated digits, then the rest.
+_EXPONENT_FLOATS = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+# Resolvers are tried in order: text first for colon-separated digits, floats for
+# exponents, then the rest.
 Yaml12Loader.yaml_implicit_resolvers = {
-    first: [("tag:yaml.org,2002:str", _COLON_NUMBERS), *resolvers]
+    first: [
+        ("tag:yaml.org,2002:str", _COLON_NUMBERS),
+        ("tag:yaml.org,2002:float", _EXPONENT_FLOATS),
+        *resolvers,
+    ]
     if first in "-+0123456789"
     else list(resolvers)
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()

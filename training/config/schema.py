@@ -23,6 +23,7 @@ from training.config.sections import (
     TrainConfig,
     UpdateConfig,
 )
+from training.config.sweep import SweepConfig
 from training.data.options import SOURCES, DataConfig, ShardConfig
 from training.errors import ConfigError
 from training.models.options import BUILTINS, ModelConfig, check_model_layout
@@ -43,6 +44,7 @@ class Config(Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     registry: RegistryConfig = RegistryConfig()
     orchestrate: OrchestrateConfig = OrchestrateConfig()
+    sweep: SweepConfig = SweepConfig()  # what `gradline sweep` searches; no job's part
 
     def flat(self) -> dict[str, Any]:
         """`section.key -> value`, the form MLflow params and DVC param names use."""

@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,6 +107,12 @@ def keep_workers_on_loopback(endpoint: str) -> bool:
 
 @contextlib.contextmanager
 def _stop_requests_go_to_the_store(control: Control) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        # Signals reach the main thread only: a caller that runs jobs on threads
+        # (`gradline sweep`) owns them and asks each job's control store to stop.
+        yield
+        return
+
     def on_term(signum, _frame) -> None:
         try:
             control.request_stop()

@@ -32,13 +32,19 @@ from pathlib import Path
 from typing import Any, get_args
 
 from training.atomic import write_json
-from training.config import Config, UpdateConfig, jobspec, load_config, parse_override
+from training.config import Config, UpdateConfig, load_config, parse_override
 from training.data.manifest import read_manifest
 from training.data.spec import DataSpec
 from training.engine.faults import ENV as FAULT_ENV
 from training.engine.faults import parse as parse_faults
-from training.engine.launch import Preempted
 from training.errors import ConfigError
+from training.mlops.children import (
+    child_request,
+    end_parent,
+    open_parent,
+    refuse_data_key,
+    shared_params,
+)
 from training.mlops.compare_report import (
     COLUMNS,
     HISTORY_KEYS,
@@ -50,17 +56,14 @@ from training.mlops.compare_report import (
     table_text,
     write_plots,
 )
-from training.mlops.jobs import JobRequest, run_job
+from training.mlops.jobs import run_job
 from training.mlops.lineage import compare_url, run_url, ui_base
-from training.mlops.runs import log_params, new_run, set_status
 from training.mlops.tracking import client, metric_history
 from training.models.registry import check_buildable
 from training.project import Project
 
 RULES: tuple[str, ...] = get_args(UpdateConfig.model_fields["rule"].annotation)
 UPDATE_KEY = "update.rule"
-TAG_PARENT = "mlflow.parentRunId"
-TAG_RUN_NAME = "mlflow.runName"
 TAG_RULE = "gradline.compare.rule"
 TAG_FAULT = "gradline.compare.fault"
 # Files the parent run receives, under this artifact folder.
@@ -133,12 +136,7 @@ def _check_overrides(overrides: list[str]) -> None:
                 f"--set {text}: each child sets {UPDATE_KEY} itself; name the rules with "
                 f"--rules (e.g. --rules sync,local_sgd)"
             )
-        if jobspec.use(name).decides_data:
-            raise ConfigError(
-                f"--set {text}: {name} decides the data (dvc.yaml's ingest/shard stages), "
-                "and compare-updates trains on the data as params.yaml makes it. Set it "
-                f"in params.yaml (or run `gradline run --set {text}`) first"
-            )
+        refuse_data_key(name, f"--set {text}", "compare-updates")
 
 
 def plan_comparison(
@@ -183,20 +181,12 @@ def _train_child(
 ) -> ChildRun:
     """One real training job, through the train stage's lifecycle, into a child run."""
     project, cfg = Project(plan.root), plan.children[rule]
-    tags = {TAG_PARENT: parent_id, TAG_RUN_NAME: f"compare-{rule}", TAG_RULE: rule}
+    tags = {TAG_RULE: rule}
     if plan.fault:
         tags[TAG_FAULT] = plan.fault
     work = folder / rule
-    request = JobRequest(
-        cfg,
-        project.shards,
-        work,
-        work / "model",
-        root=plan.root,
-        tracking_uri=project.tracking_uri,
-        tags=tags,
-        faults=plan.fault,
-        log_model=False,  # a comparison's children are measured, not registered
+    request = child_request(
+        plan.root, cfg, work, parent_id, f"compare-{rule}", tags, faults=plan.fault
     )
     outcome = run_job(request)
     write_json(
@@ -243,12 +233,9 @@ class CompareReport:
 
 
 def _open_parent(plan: ComparePlan, data_version: str) -> str:
-    project, cfg = Project(plan.root), plan.base
-    uri = project.tracking_uri
-    parent_id = new_run(plan.root, cfg, uri, data_version, {TAG_RUN_NAME: "compare-updates"})
     # What the children share (every key of the job but the rule), and what the
     # comparison adds.
-    params = {k: v for k, v in jobspec.mlflow_params(cfg).items() if k != UPDATE_KEY}
+    params = shared_params(plan.base, {UPDATE_KEY})
     params |= {
         "compare.rules": ",".join(plan.rules),
         "compare.reference": plan.reference,
@@ -258,8 +245,7 @@ def _open_parent(plan: ComparePlan, data_version: str) -> str:
             "none" if plan.slow_rank is None else str(plan.slow_factor or 2.0)  # the default
         ),
     }
-    log_params(client(uri), parent_id, params)
-    return parent_id
+    return open_parent(plan.root, plan.base, data_version, "compare-updates", params)
 
 
 def _log_results(uri: str, parent_id: str, rows: list[dict], files: list[Path]) -> None:
@@ -301,13 +287,10 @@ def run_comparison(
         (folder / TABLE_MD).write_text(table_markdown(rows, plan.reference))
         figures = write_plots(children, folder, plan.fault)
         _log_results(uri, parent_id, rows, [folder / TABLE_CSV, folder / TABLE_MD, *figures])
-    except Preempted:
-        set_status(uri, parent_id, "KILLED")
+    except BaseException as exc:
+        end_parent(uri, parent_id, exc)
         raise
-    except BaseException:
-        set_status(uri, parent_id, "FAILED")
-        raise
-    set_status(uri, parent_id, "FINISHED")
+    end_parent(uri, parent_id, None)
     experiment_id = client(uri).get_run(parent_id).info.experiment_id
     base = ui_base(uri, plan.base.orchestrate.mlflow_ui_url)
     return CompareReport(
