@@ -312,7 +312,10 @@ def test_registered_version_has_a_card_with_the_run_s_numbers(first_run, tmp_pat
     manifest = json.loads((project / "data" / "shards" / "manifest.json").read_text())
     for split, facts in manifest["splits"].items():
         assert f"{split} {facts['rows']:,}" in card
-    assert "no drift check recorded" in card  # this ingest recorded no drift check
+    # The first ingest had no champion to compare with: its drift section says so.
+    ingest = json.loads((project / "data" / "ingest.json").read_text())
+    assert ingest["drift"]["status"] == "no_champion", ingest["drift"]
+    assert ingest["drift"]["message"] in card
     assert version.description.split(". Trained in")[0] in card
     for fact in (run.data.tags["gradline.job_key"], run.data.tags["gradline.data_version"]):
         assert f"`{fact}`" in card

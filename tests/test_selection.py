@@ -47,9 +47,33 @@ def test_patience_counts_validations_without_an_improvement_above_min_delta() ->
         sel.observe({"val_accuracy": value}, step)
         for step, value in [(10, 0.50), (20, 0.70), (30, 0.705), (40, float("nan"))]
     ]
-    assert verdicts == [True, True, False, False]  # +0.005 is under min_delta; NaN never counts
-    assert (sel.best_step, sel.best_value, sel.waited, sel.should_stop) == (20, 0.70, 2, True)
-    assert sel.selected_step(last_step=40) == 20
+    # +0.005 is under min_delta, so patience runs on, but it is still the best model seen;
+    # NaN never counts.
+    assert verdicts == [True, True, True, False]
+    assert (sel.best_step, sel.best_value, sel.waited, sel.should_stop) == (30, 0.705, 2, True)
+    assert sel.selected_step(last_step=40) == 30
+
+
+def test_a_tie_on_the_metric_goes_to_the_lower_validation_loss() -> None:
+    # Accuracy saturates on a small validation split; the first step to reach the top is
+    # the least trained, so a tie with a lower loss takes the selection over.
+    sel = _selection(early_stopping_patience=2)
+    seen = [
+        sel.observe({"val_accuracy": acc, "val_loss": loss}, step)
+        for step, acc, loss in [
+            (10, 0.9, 0.50),
+            (20, 0.95, 0.30),
+            (30, 0.95, 0.20),
+            (40, 0.95, 0.25),
+        ]
+    ]
+    assert seen == [True, True, True, False]
+    assert (sel.best_step, sel.best_value, sel.best_loss) == (30, 0.95, 0.20)
+    # A tie is no improvement: patience still ran out at step 40.
+    assert sel.waited == 2 and sel.should_stop
+    resumed = _selection(early_stopping_patience=2)
+    resumed.restore(json.loads(json.dumps(sel.state_dict())))
+    assert (resumed.best_step, resumed.best_loss, resumed.improved_value) == (30, 0.20, 0.95)
 
 
 def test_lower_is_better_for_a_loss_and_last_selects_the_final_step() -> None:
@@ -95,33 +119,37 @@ def _weights_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_a_plateau_stops_the_job_and_the_best_step_becomes_the_model(tiny_shards, tmp_path):
-    # A learning rate too small to move validation accuracy by min_delta: the first
-    # validation (step 13, one epoch) stays the best, and two more without improvement
-    # stop the job at step 39 of 130, with only the newest checkpoint kept besides it.
+    # A constant learning rate too large to settle: validation loss stops falling after a
+    # few epochs, two validations without a new low stop the job, and the lowest one
+    # (necessarily two validations back) becomes the model, its checkpoint kept besides
+    # the newest one although keep_checkpoints is 1.
     cfg = _config(
-        optim={"lr": 1e-7, "warmup_steps": 0},
-        train={"epochs": 10, "early_stopping_patience": 2, "early_stopping_min_delta": 0.01},
+        optim={"lr": 0.05, "warmup_steps": 0, "lr_schedule": "constant"},
+        train={"epochs": 10, "early_stopping_patience": 2, "early_stopping_metric": "val_loss"},
         runtime={"keep_checkpoints": 1, "checkpoint_every_steps": 5},
     )
     result = launch_workers(train_job(tiny_shards, tmp_path, cfg), 2, max_restarts=0)
     per_epoch = 13
-    assert result["stopped_early"] is True
-    assert result["step"] == 3 * per_epoch < 10 * per_epoch
-    assert (result["selected_step"], result["best_step"]) == (per_epoch, per_epoch)
+    best = result["best_step"]
+    assert result["stopped_early"] is True and result["watched_metric"] == "val_loss"
+    assert result["step"] == best + 2 * per_epoch < 10 * per_epoch
+    assert result["selected_step"] == best and best % per_epoch == 0
     ckpt = tmp_path / "ckpt"
-    assert [p.name for p in list_checkpoints(ckpt)] == ["step-00000039", "step-00000013"]
-
-    # The consolidated model holds the weights of the step-13 checkpoint, not the last.
+    assert [p.name for p in list_checkpoints(ckpt)] == [
+        f"step-{result['step']:08d}",
+        f"step-{best:08d}",
+    ]
+    # The consolidated model holds the weights of the best step's checkpoint, not the last.
     model, spec = load_model_dir(tmp_path / "model")
-    best = build_model(cfg.model, cfg.task.type, spec.data_spec)
-    path, _ = find_at(ckpt, per_epoch)
+    chosen = build_model(cfg.model, cfg.task.type, spec.data_spec)
+    path, _ = find_at(ckpt, best)
     from training.engine.checkpoint import load_model_weights
 
-    load_model_weights(path, best)
-    assert _weights_equal(model, best)
+    load_model_weights(path, chosen)
+    assert _weights_equal(model, chosen)
     final = build_model(cfg.model, cfg.task.type, spec.data_spec)
     load_model_weights(list_checkpoints(ckpt)[0], final)
     assert not _weights_equal(model, final)
     # And what it scores on the test split is what that step's weights score.
     test = TestData.open(cfg, tiny_shards)
-    assert test.score(model, 256).metrics == test.score(best, 256).metrics
+    assert test.score(model, 256).metrics == test.score(chosen, 256).metrics
