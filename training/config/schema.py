@@ -20,6 +20,7 @@ from training.config.sections import (
     ParallelConfig,
     RegistryConfig,
     RuntimeConfig,
+    ScoreConfig,
     TrainConfig,
     UpdateConfig,
 )
@@ -42,6 +43,7 @@ class Config(Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     registry: RegistryConfig = RegistryConfig()
     orchestrate: OrchestrateConfig = OrchestrateConfig()
+    score: ScoreConfig = ScoreConfig()
 
     def flat(self) -> dict[str, Any]:
         """`section.key -> value`, the form MLflow params and DVC param names use."""
