@@ -397,7 +397,7 @@ class ScoreConfig(Section):
     tensor_column: str | None = Field(
         None,
         description="one list column holding each row's features; null: data.tensor_column "
-        "when the model was trained with one, else the model's feature columns by name",
+        "when a parquet/csv table sets one, else the model's feature columns by name",
     )
     prompt_column: str = Field("prompt", min_length=1, description="language models' tables")
     batch_rows: int = Field(
