@@ -36,6 +36,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from training.atomic import atomic_file
 from training.config import Config
@@ -235,8 +236,6 @@ def score_new_rows(
 
 def _predictor_for(predictor: Predictor, generation: dict[str, Any]):
     """batch -> {column: values}: the pyfunc model's prediction and the task's extras."""
-    import torch
-
     objective, model = predictor.objective, predictor.model
     if predictor.spec.data_spec.kind == "tokens":
 
