@@ -4,8 +4,9 @@ The version (`NAME@ALIAS`, `NAME/VERSION`; by default `<registry.model_name>@cha
 is downloaded from the registry and run as the pyfunc model runs it (`Predictor`: the
 same model folder, the same task code), so its predictions equal `mlflow.pyfunc`'s on
 the same rows. The new rows stream through ingest's validation batch by batch
-(training/data/score_input.py); each batch's good rows are predicted and written before
-the next batch is read, so memory stays about one batch whatever the input's size.
+(training/data/score_input.py), read ahead and written behind on threads while the
+model predicts (training/mlops/score_output.py), so memory stays a few batches whatever
+the input's size.
 
 The output holds the row key (the input's id column, else `file` and `row`), the
 `prediction` (what the pyfunc model returns: a class id, a value, or for a language
@@ -25,8 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import queue
-import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -35,15 +34,18 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from training.atomic import atomic_file
 from training.config import Config
-from training.data.score_input import InputBatch, InputOptions, InputReport, NewRows
-from training.data.validate import QUARANTINE_SCHEMA
-from training.errors import ConfigError, DataError
+from training.data.score_input import InputBatch, InputOptions, NewRows
+from training.errors import ConfigError
 from training.mlops.lineage import parse_model_ref, resolve_version
+from training.mlops.score_output import (
+    Background,
+    Prediction,
+    quarantine_path,
+    write_predictions,
+)
 from training.mlops.serving import Predictor, downloaded_model
 from training.mlops.tracking import (
     FLOW_RUN_ENV,
@@ -56,7 +58,6 @@ from training.mlops.tracking import (
 from training.objectives.base import PREDICT_BATCH_ROWS
 
 TAG = "gradline.score."  # every tag of a scoring run starts with it
-QUARANTINE_SUFFIX = ".quarantine.parquet"
 # Outputs up to this size are logged on the run too; larger ones are referenced (path and
 # DVC md5: `dvc pull` fetches them).
 LOG_ARTIFACT_BYTES = 16 << 20
@@ -153,11 +154,6 @@ class ScoreOutcome:
         return values
 
 
-def quarantine_path(output: Path) -> Path:
-    """Where the bad rows of `output` go: beside it, `<name>.quarantine.parquet`."""
-    return output.with_name(output.name.removesuffix(".parquet") + QUARANTINE_SUFFIX)
-
-
 def project_path(root: Path, path: str, what: str) -> Path:
     """`path` resolved in the project; outputs must lie inside it, where DVC tracks them."""
     resolved = (root / path).resolve()
@@ -204,15 +200,15 @@ def score_new_rows(
     model = resolve_model(tracking_uri, request.model)
     with loaded_model(tracking_uri, model) as (predictor, defaults):
         rows = NewRows(root, request.options, predictor.spec.data_spec, cfg.data)
-        predict = _predictor_for(predictor, {**defaults, **request.generation})
+        prediction = _prediction(predictor, {**defaults, **request.generation})
         started = time.perf_counter()
         # The input is hashed while it is scored (hashing and reading release the GIL);
         # the md5 lands in the output's footer, written last.
-        md5 = _Background(rows.md5)
+        md5 = Background(rows.md5)
         footer = {f"{TAG}model": str(model), f"{TAG}model_run_id": model.run_id}
-        written = _write(
+        written = write_predictions(
             rows,
-            predict,
+            prediction,
             output,
             request.on_bad_rows == "fail",
             lambda: {**footer, f"{TAG}input_md5": md5.result()},
@@ -234,8 +230,8 @@ def score_new_rows(
     )
 
 
-def _predictor_for(predictor: Predictor, generation: dict[str, Any]):
-    """batch -> {column: values}: the pyfunc model's prediction and the task's extras."""
+def _prediction(predictor: Predictor, generation: dict[str, Any]) -> Prediction:
+    """How the pyfunc model predicts a batch, and the columns the output keeps of it."""
     objective, model = predictor.objective, predictor.model
     if predictor.spec.data_spec.kind == "tokens":
 
@@ -243,163 +239,20 @@ def _predictor_for(predictor: Predictor, generation: dict[str, Any]):
             texts = objective.serve(model, batch.prompts, generation)
             return {"prediction": pa.array(texts["text"].tolist(), pa.string())}
 
-        return generate
+        return Prediction(generate, lambda columns: columns)
 
-    def forward(batch: InputBatch) -> dict[str, Any]:
+    def forward(batch: InputBatch) -> torch.Tensor:
         features = torch.from_numpy(batch.features)
-        with torch.no_grad():
-            # Forward passes of the pyfunc model's size; the task's columns (argmax,
-            # softmax: row by row) once for the whole batch.
-            outputs = [
-                model(features[start : start + PREDICT_BATCH_ROWS])
-                for start in range(0, batch.rows, PREDICT_BATCH_ROWS)
-            ]
-            return objective.prediction_columns(torch.cat(outputs))
+        with torch.no_grad():  # forward passes of the pyfunc model's size
+            return torch.cat(
+                [
+                    model(features[start : start + PREDICT_BATCH_ROWS])
+                    for start in range(0, batch.rows, PREDICT_BATCH_ROWS)
+                ]
+            )
 
-    return forward
-
-
-def _write(rows: NewRows, predict, output: Path, fail_on_bad: bool, footer) -> list[str]:
-    """Stream the input through `predict` into `output` and its quarantine file; return the
-    output's columns. Both files are renamed into place together at the end; `footer()`
-    gives the output's key-value metadata, asked for once every row is written."""
-    quarantine = quarantine_path(output)
-    made = [d for d in (output.parent, *output.parent.parents) if not d.exists()]
-    try:
-        return _write_files(rows, predict, output, quarantine, fail_on_bad, footer)
-    except BaseException:
-        for folder in made:  # nothing written means no new empty folders either
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise
-
-
-def _write_files(rows, predict, output, quarantine, fail_on_bad, footer) -> list[str]:
-    with atomic_file(output) as out_handle, atomic_file(quarantine) as bad_handle:
-        bad_writer = pq.ParquetWriter(bad_handle, QUARANTINE_SCHEMA)
-        writer: pq.ParquetWriter | None = None
-        try:
-            for batch in _read_ahead(rows.batches()):
-                if batch.quarantined.num_rows:
-                    bad_writer.write_table(batch.quarantined)
-                # In fail mode the first bad row decides: the rest is only checked, so the
-                # error can say how many rows failed and why, but no longer predicted.
-                if not batch.rows or (fail_on_bad and rows.report.rows_bad):
-                    continue
-                table = pa.table({**batch.keys, **predict(batch)})
-                if writer is None:
-                    writer = _writer(out_handle, table.schema, list(batch.keys))
-                writer.write_table(_conform(table, writer.schema))
-            _check_counts(rows.report, rows.options.path, fail_on_bad, quarantine)
-            writer.add_key_value_metadata(footer())
-        finally:
-            bad_writer.close()
-            if writer is not None:
-                writer.close()
-        return writer.schema.names
-
-
-def _writer(sink, schema: pa.Schema, keys: list[str]) -> pq.ParquetWriter:
-    # Dictionary pages pay off for keys and classes, not for probabilities or values:
-    # trying them on every float column made writing 4x slower.
-    dictionary = [
-        name for name in (*keys, "prediction") if not pa.types.is_floating(schema.field(name).type)
-    ]
-    return pq.ParquetWriter(sink, schema, use_dictionary=dictionary)
-
-
-class _Background:
-    """`fn()` on a daemon thread; `result()` waits for it (and raises what it raised)."""
-
-    def __init__(self, fn) -> None:
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self._value = fn()
-        except BaseException as exc:  # handed to the caller of result()
-            self._error = exc
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-_DONE = object()
-
-
-def _read_ahead(batches: Iterator, depth: int = 2) -> Iterator:
-    """`batches`, read up to `depth` ahead on a thread: reading and checking the next
-    batch (pyarrow, numpy) overlaps predicting this one (torch), both outside the GIL.
-    At most `depth` + 2 batches exist at once, so memory stays flat."""
-    ahead: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                ahead.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for batch in batches:
-                if not put(batch):
-                    return
-            put(_DONE)
-        except BaseException as exc:  # re-raised in the consumer, with its traceback
-            put(_Raised(exc))
-
-    reader = threading.Thread(target=produce, name="gradline-score-reader", daemon=True)
-    reader.start()
-    try:
-        while (item := ahead.get()) is not _DONE:
-            if isinstance(item, _Raised):
-                raise item.error
-            yield item
-    finally:
-        stop.set()
-        reader.join()
-
-
-@dataclass(frozen=True)
-class _Raised:
-    error: BaseException
-
-
-def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """Later batches in the first batch's schema (a key column typed differently in
-    another file: a DataError naming it)."""
-    if table.schema.equals(schema):
-        return table
-    try:
-        return table.cast(schema)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
-        raise DataError(
-            f"the input's files do not agree on their columns' types ({table.schema.types} vs "
-            f"{schema.types}): {exc}. Give every file the same key column type"
-        ) from exc
-
-
-def _check_counts(report: InputReport, where: str, fail_on_bad: bool, quarantine: Path) -> None:
-    if report.rows_in == 0:
-        raise DataError(f"the input {where!r} has no rows; add new rows or fix score.input")
-    if report.rows_bad and fail_on_bad:
-        raise DataError(
-            f"invalid rows in {where!r}, nothing was written.\n{report.describe()}\nFix the "
-            "input, or pass --on-bad-rows quarantine (score.on_bad_rows: quarantine) to "
-            f"score the rest and set the bad rows aside in {quarantine.name}"
-        )
-    if report.rows_bad == report.rows_in:
-        raise DataError(f"no valid rows to score in {where!r}.\n{report.describe()}")
+    # The task's columns (argmax, softmax: row by row) once per batch, on the writer.
+    return Prediction(forward, objective.prediction_columns)
 
 
 # ---- the record ------------------------------------------------------------------------
