@@ -116,6 +116,21 @@ def _devices_here() -> int:
     return devices_here()
 
 
+def _cmd_score(args: argparse.Namespace) -> int:
+    from flows.score import plain, score_steps
+    from training.mlops.tracking import store_errors
+    from training.project import Project, find_project_root
+
+    project = Project(find_project_root())
+    project.config()  # params.yaml checked before anything is read or written
+    # The model's download draws a bar per file on stderr; the summary says what happened.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    chosen = {"model": args.model, "input": args.input, "output": args.output}
+    with project_lock(project.root, wait=not args.no_wait), store_errors(project.tracking_uri):
+        print(score_steps(project.root, plain, **chosen, on_bad_rows=args.on_bad_rows))
+    return 0
+
+
 def _cmd_example(args: argparse.Namespace) -> int:
     from training.examples import apply_example, describe
     from training.project import Project, find_project_root
@@ -288,7 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gradline", description="Orchestrated, tracked, reproducible training."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = (_add_run, _add_compare, _add_sweep, _add_example, _add_serve, _add_deploy_train)
+    commands = (
+        _add_run,
+        _add_compare,
+        _add_sweep,
+        _add_score,
+        _add_example,
+        _add_serve,
+        _add_deploy_train,
+    )
     for add in (*commands, _add_lineage, _add_runs, _add_sync, _add_stage, _add_ui):
         add(sub)  # each subcommand's arguments, in the order `gradline --help` lists them
     return parser
@@ -389,6 +412,29 @@ def _add_sweep(sub) -> None:
     )
     _add_no_wait(sweep)
     sweep.set_defaults(func=_cmd_sweep)
+
+
+def _add_score(sub) -> None:
+    score = sub.add_parser(
+        "score",
+        help="predict new rows with a registered model version (default: the champion)",
+        description="Score the new rows under a folder with a registered model version: "
+        "the rows are checked as ingest checks them, predicted in batches and written as "
+        "Parquet (row key, prediction, class probabilities), DVC-tracked and recorded as an "
+        "MLflow run linked to the version. Defaults come from the score section of "
+        "params.yaml.",
+    )
+    score.add_argument("--model", help="NAME@ALIAS or NAME/VERSION (score.model)")
+    score.add_argument("--input", metavar="FOLDER", help="the new rows (score.input)")
+    score.add_argument("--output", metavar="PATH", help="the predictions' file (score.output)")
+    score.add_argument(
+        "--on-bad-rows",
+        choices=("fail", "quarantine"),
+        help="invalid rows stop the command, or are set aside beside the output "
+        "(score.on_bad_rows)",
+    )
+    _add_no_wait(score)
+    score.set_defaults(func=_cmd_score)
 
 
 def _add_example(sub) -> None:

@@ -1,8 +1,10 @@
 """`gradline serve`: register the deployments in prefect.yaml and run what they schedule.
 
 prefect.yaml is the one place deployments and their cron schedules are written down.
-Their parameters are the flow's: `overrides` (validated exactly like `gradline run
---set`, before anything is registered) and `force`.
+Two flows can be deployed: the pipeline (`flows/pipeline.py:pipeline`, the default),
+whose parameters are `overrides` (validated exactly like `gradline run --set`, before
+anything is registered) and `force`; and batch scoring (`flows/score.py:score`), whose
+parameters are `model`, `input`, `output` and `on_bad_rows` (empty: the score section).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from prefect.schedules import Cron
 from prefect.settings import get_current_settings
 from prefect.utilities.callables import parameter_schema
 
-from flows import train_pool
+from flows import score, train_pool
 from flows.pipeline import pipeline
 from flows.served_runs import serve_until_stopped
 from flows.train_pool import deployment_name, train_stage
@@ -30,6 +32,8 @@ from training.project import Project
 
 ENTRYPOINT = "flows/pipeline.py:pipeline"
 FLOW_PARAMETERS = {"overrides", "force"}
+SCORE_ENTRYPOINT = "flows/score.py:score"
+FLOWS = {ENTRYPOINT: pipeline, SCORE_ENTRYPOINT: score.score}
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class DeploymentSpec:
     schedules: list[dict[str, Any]]
     description: str = ""
     tags: list[str] = field(default_factory=list)
+    entrypoint: str = ENTRYPOINT
 
 
 def _fail(source: Path, where: str, problem: str) -> ConfigError:
@@ -76,26 +81,14 @@ def read_deployments(root: Path) -> list[DeploymentSpec]:
         if not name:
             raise _fail(source, where, "a deployment needs a name")
         where = f"deployment {name!r}"
-        if raw.get("entrypoint", ENTRYPOINT) != ENTRYPOINT:
-            raise _fail(source, where, f"entrypoint must be {ENTRYPOINT}")
+        entrypoint = raw.get("entrypoint", ENTRYPOINT)
+        if entrypoint not in FLOWS:
+            raise _fail(source, where, f"entrypoint must be {' or '.join(FLOWS)}")
         parameters = dict(raw.get("parameters") or {})
-        unknown = set(parameters) - FLOW_PARAMETERS
-        if unknown:
-            raise _fail(
-                source,
-                where,
-                f"unknown parameters {sorted(unknown)}; the flow takes "
-                "overrides (a list of section.key=value) and force (true/false)",
-            )
-        overrides = parameters.get("overrides") or []
-        if not isinstance(overrides, list):
-            raise _fail(source, where, 'overrides must be a list, e.g. ["train.epochs=20"]')
-        try:
-            load_config(Project(root).params, [str(o) for o in overrides])
-        except ConfigError as exc:
-            raise _fail(source, where, str(exc)) from exc
-        if not isinstance(parameters.get("force", False), bool):
-            raise _fail(source, where, "force must be true or false")
+        if entrypoint == SCORE_ENTRYPOINT:
+            _check_score_parameters(source, where, parameters)
+        else:
+            _check_pipeline_parameters(root, source, where, parameters)
         schedules = [
             _schedule(source, f"{where} schedule {j}", s)
             for j, s in enumerate(raw.get("schedules") or [])
@@ -103,10 +96,49 @@ def read_deployments(root: Path) -> list[DeploymentSpec]:
         tags = raw.get("tags") or []
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             raise _fail(source, where, "tags must be a list of strings")
-        specs.append(DeploymentSpec(name, parameters, schedules, raw.get("description", ""), tags))
+        description = raw.get("description", "")
+        specs.append(DeploymentSpec(name, parameters, schedules, description, tags, entrypoint))
     if not specs:
         raise ConfigError(f"{source} defines no deployments")
     return specs
+
+
+def _check_score_parameters(source: Path, where: str, parameters: dict[str, Any]) -> None:
+    unknown = set(parameters) - set(score.PARAMETERS)
+    if unknown:
+        raise _fail(
+            source,
+            where,
+            f"unknown parameters {sorted(unknown)}; the score flow takes "
+            f"{', '.join(score.PARAMETERS)} (text; empty: the score section of params.yaml)",
+        )
+    for key, value in parameters.items():
+        if not isinstance(value, str):
+            raise _fail(source, where, f'{key} must be text, e.g. {key}: ""')
+    if parameters.get("on_bad_rows", "") not in ("", "fail", "quarantine"):
+        raise _fail(source, where, "on_bad_rows must be fail or quarantine")
+
+
+def _check_pipeline_parameters(
+    root: Path, source: Path, where: str, parameters: dict[str, Any]
+) -> None:
+    unknown = set(parameters) - FLOW_PARAMETERS
+    if unknown:
+        raise _fail(
+            source,
+            where,
+            f"unknown parameters {sorted(unknown)}; the flow takes "
+            "overrides (a list of section.key=value) and force (true/false)",
+        )
+    overrides = parameters.get("overrides") or []
+    if not isinstance(overrides, list):
+        raise _fail(source, where, 'overrides must be a list, e.g. ["train.epochs=20"]')
+    try:
+        load_config(Project(root).params, [str(o) for o in overrides])
+    except ConfigError as exc:
+        raise _fail(source, where, str(exc)) from exc
+    if not isinstance(parameters.get("force", False), bool):
+        raise _fail(source, where, "force must be true or false")
 
 
 def serve_deployments(root: Path, names: list[str]) -> None:
@@ -129,7 +161,7 @@ def serve_deployments(root: Path, names: list[str]) -> None:
         specs = [s for s in specs if s.name in names]
     os.chdir(root)  # the entrypoint is a path relative to the project root
     deployments = [
-        pipeline.to_deployment(
+        FLOWS[spec.entrypoint].to_deployment(
             name=spec.name,
             parameters=spec.parameters,
             schedules=[
@@ -152,9 +184,10 @@ def _register_watchdogs(root: Path, deployments: list) -> None:
     if not orchestrate.notify:
         return
     for deployment in deployments:
-        if deployment.schedules:  # apply() now, for the id; serve() applies it again
+        # A schedule that is off (score-daily ships so) cannot go stale.
+        if any(s.active for s in deployment.schedules):  # apply() now, for the id
             ensure_stale_alert(
-                f"gradline/{deployment.name}",
+                f"{deployment.flow_name}/{deployment.name}",
                 deployment.apply(),
                 orchestrate.notify,
                 orchestrate.stale_after_h,

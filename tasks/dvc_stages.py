@@ -263,11 +263,12 @@ def retry_unless_lasting(task, task_run, state) -> bool:
 PUSH_RETRIES = dict(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_unless_lasting)
 
 
-def push_to_remote(root: Path, *targets: str) -> None:
+def push_to_remote(root: Path, *targets: str, echo: Callable[[str], None] | None = None) -> None:
     """`dvc push` of the targets' cached outputs (every stage's when none) to the default
-    remote; a failure is a RemotePushFailed naming the remote, the cause and the fix."""
+    remote; a failure is a RemotePushFailed naming the remote, the cause and the fix.
+    `echo`: where DVC's output goes (default: the task's log)."""
     try:
-        run_dvc(root, "push", *targets, keep_stderr=True)
+        run_dvc(root, "push", *targets, keep_stderr=True, echo=echo)
     except StageFailed as failed:
         remote, url = default_remote(root)
         # DVC counts the files that failed; when it stopped at the first error, ask it.

@@ -44,10 +44,31 @@ def _edit_deployment(project: Path, **changes) -> None:
 
 
 def test_shipped_prefect_yaml_is_valid(project: Path) -> None:
-    (nightly,) = read_deployments(project)
+    nightly, score = read_deployments(project)
     assert nightly.name == "nightly"
     assert nightly.parameters == {"overrides": [], "force": False}
     assert nightly.schedules == [{"cron": "0 2 * * *", "timezone": "UTC"}]
+    # Batch scoring ships with a daily schedule that is off until a user turns it on.
+    assert (score.name, score.entrypoint) == ("score-daily", "flows/score.py:score")
+    assert set(score.parameters) == {"model", "input", "output", "on_bad_rows"}
+    assert score.schedules == [{"cron": "0 6 * * *", "timezone": "UTC", "active": False}]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"model": "", "force": True}, "unknown parameters ['force']"),
+        ({"on_bad_rows": "skip"}, "on_bad_rows must be fail or quarantine"),
+        ({"input": 3}, "input must be text"),
+    ],
+)
+def test_bad_score_deployments_are_refused(project: Path, parameters, message) -> None:
+    document = yaml.safe_load((project / "prefect.yaml").read_text())
+    document["deployments"][1]["parameters"] = parameters
+    (project / "prefect.yaml").write_text(yaml.safe_dump(document))
+    with pytest.raises(ConfigError, match="deployment 'score-daily'") as info:
+        read_deployments(project)
+    assert message in str(info.value)
 
 
 @pytest.mark.parametrize(

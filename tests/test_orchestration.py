@@ -248,7 +248,7 @@ def _run_deployment(api: str, deployment_id, **parameters):
 def test_served_deployment_retrains_only_when_something_changed(server, served) -> None:
     root, proc = served
     deployment = _deployment(server, proc)
-    (declared,) = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    declared = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"][0]
     crons = [(s.schedule.cron, s.schedule.timezone) for s in deployment.schedules]
     assert crons == [(s["cron"], s["timezone"]) for s in declared["schedules"]]
     assert deployment.parameters == {"overrides": [], "force": False}

@@ -10,7 +10,9 @@ Every key has one use:
 - it only affects evaluation and reporting (evaluate): a DVC param of the evaluate
   stage, recorded on the run as a `gradline.<key>` tag by each evaluation;
 - it only describes a run (runtime, parallel, registry, orchestrate, sweep): no stage
-  depends on it, no job key holds it; each attempt records it as a `gradline.<key>` tag.
+  depends on it, no job key holds it; each attempt records it as a `gradline.<key>` tag;
+- it belongs to another command (score: `gradline score`): no stage, no job key, nothing
+  on a training run (a scoring run records its own settings).
 
 The job key, the MLflow params and tags, `compare-updates`' checks (no key that decides
 the data) and the params lists in dvc.yaml all derive from this table
@@ -37,7 +39,7 @@ KEYED_STAGES = frozenset({"shard", "train"})
 @dataclass(frozen=True)
 class KeyUse:
     stages: tuple[str, ...]  # the DVC stages that read it (rerun when it changes)
-    mlflow: Literal["param", "tag"]  # how the job's MLflow run records it
+    mlflow: Literal["param", "tag", "none"]  # how the job's MLflow run records it
 
     @property
     def decides_data(self) -> bool:
@@ -53,6 +55,7 @@ SPLIT = KeyUse(("shard",), "param")
 COMPUTE = KeyUse(("train",), "param")
 EVALUATION = KeyUse(("evaluate",), "tag")
 RUN = KeyUse((), "tag")
+OTHER_COMMAND = KeyUse((), "none")
 
 SECTION_USES: dict[str, KeyUse] = {
     "data": DATA,
@@ -69,6 +72,7 @@ SECTION_USES: dict[str, KeyUse] = {
     "orchestrate": RUN,
     # A sweep searches over jobs; each trial is a job of its own (training.mlops.sweep).
     "sweep": RUN,
+    "score": OTHER_COMMAND,
 }
 # Keys used differently from the rest of their section: the task's kind of labels
 # decides how ingest reads the label column.

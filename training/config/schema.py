@@ -20,6 +20,7 @@ from training.config.sections import (
     ParallelConfig,
     RegistryConfig,
     RuntimeConfig,
+    ScoreConfig,
     TrainConfig,
     UpdateConfig,
 )
@@ -45,6 +46,7 @@ class Config(Section):
     registry: RegistryConfig = RegistryConfig()
     orchestrate: OrchestrateConfig = OrchestrateConfig()
     sweep: SweepConfig = SweepConfig()  # what `gradline sweep` searches; no job's part
+    score: ScoreConfig = ScoreConfig()
 
     def flat(self) -> dict[str, Any]:
         """`section.key -> value`, the form MLflow params and DVC param names use."""

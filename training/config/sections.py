@@ -407,3 +407,59 @@ class OrchestrateConfig(Section):
             )
             raise ValueError(f"{notify!r} is not where a webhook URL is kept: {hint}")
         return notify
+
+
+class ScoreConfig(Section):
+    """`gradline score`: predictions of a registered model version on new rows. Like
+    `registry`, no stage reads it and no job key holds it (training/config/jobspec.py)."""
+
+    model: str = Field(
+        "",
+        max_length=600,
+        description="the model version: NAME@ALIAS or NAME/VERSION; empty: "
+        "<registry.model_name>@champion",
+    )
+    input: str = Field(
+        "data/new",
+        min_length=1,
+        description="a folder (or one file) of new rows, relative to the project: Parquet or "
+        "CSV tables; for a language model also *.txt files, one prompt each",
+    )
+    output: str = Field(
+        "data/scores/predictions.parquet",
+        pattern=r"\.parquet$",
+        description="the predictions' Parquet file, inside the project (DVC tracks it); bad "
+        "rows go to <name>.quarantine.parquet beside it",
+    )
+    on_bad_rows: Literal["fail", "quarantine"] = Field(
+        "fail",
+        description="fail: invalid rows stop the command, nothing is written; quarantine: "
+        "they are set aside with their reason and the rest is scored",
+    )
+    format: Literal["auto", "parquet", "csv", "text"] = Field(
+        "auto", description="what the input files are; auto: the kind found in the folder"
+    )
+    key_column: str | None = Field(
+        None,
+        description="the column identifying a row, copied to the output; null: "
+        "data.key_column or `id` when the input has one, else the file and row number",
+    )
+    tensor_column: str | None = Field(
+        None,
+        description="one list column holding each row's features; null: data.tensor_column "
+        "when a parquet/csv table sets one, else the model's feature columns by name",
+    )
+    prompt_column: str = Field("prompt", min_length=1, description="language models' tables")
+    batch_rows: int = Field(
+        8192,
+        ge=1,
+        le=1 << 24,
+        description="rows read, checked, predicted and written at a time (memory stays about "
+        "one batch, whatever the input's size; lower it for wide rows such as images)",
+    )
+    # Language models: how continuations are sampled; null keeps the registered model's
+    # own defaults (its signature's params, the evaluate section it was trained with).
+    max_new_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    temperature: float | None = Field(None, ge=0.0)
+    top_k: int | None = Field(None, ge=0)
+    seed: Seed | None = None

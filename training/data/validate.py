@@ -8,7 +8,8 @@ their reason. Either way the counts add up: rows in = rows accepted + rows quara
 
 Labels follow the task: classes become int64 in 0..num_classes-1, regression targets
 float32. A float column of whole numbers holds classes too: pandas writes integer labels
-as floats as soon as one of them is missing.
+as floats as soon as one of them is missing. New rows to score have no labels
+(`labels=None`): the same checks run on their features and key (`Validator.screen`).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class ValidationReport:
 class ColumnPlan:
     """How to read features, label and key out of one input schema."""
 
-    label: str
+    label: str | None  # None: unlabelled rows (new data to score)
     key: str | None
     feature_columns: tuple[str, ...] | None  # several numeric columns, or
     tensor: str | None  # one list column
@@ -155,13 +156,29 @@ def schema_change(previous: RawLayout, current: RawLayout) -> str | None:
     )
 
 
+@dataclass(frozen=True)
+class Screened:
+    """One chunk of unlabelled rows, checked: the good rows' features and where they are
+    in the chunk, and the bad rows with their reasons."""
+
+    features: np.ndarray  # (good rows, features) float32
+    good: np.ndarray  # bool per row of the chunk
+    quarantined: pa.Table  # QUARANTINE_SCHEMA
+
+
 class Validator:
     def __init__(
-        self, cfg: DataConfig, labels: LabelKind = "classes", previous: RawLayout | None = None
+        self,
+        cfg: DataConfig,
+        labels: LabelKind | None = "classes",
+        previous: RawLayout | None = None,
     ) -> None:
+        """`labels`: what the label column holds; None for new rows to score, which have
+        no label column (any column of that name is ignored)."""
         self.cfg = cfg
         self.builtin = cfg.source in BUILTIN_SOURCES
-        self.label_type = LABEL_TYPES[labels]
+        self.labelled = labels is not None
+        self.label_type = LABEL_TYPES[labels] if labels else None
         self.previous = previous  # the layout of the snapshot this ingest replaces
         self.shape: tuple[int, ...] | None = tuple(cfg.feature_shape) if cfg.feature_shape else None
         self.num_classes: int | None = cfg.num_classes if labels == "classes" else None
@@ -214,7 +231,8 @@ class Validator:
                 f"{origin}: column name(s) repeated: {_quoted(repeated)}; every column "
                 "needs its own name"
             )
-        wanted = [cfg.label_column] + ([cfg.key_column] if cfg.key_column else [])
+        label = cfg.label_column if self.labelled else None
+        wanted = ([label] if label else []) + ([cfg.key_column] if cfg.key_column else [])
         if cfg.tensor_column:
             wanted.append(cfg.tensor_column)
         if cfg.feature_columns:
@@ -226,12 +244,12 @@ class Validator:
                 f"{', '.join(names)} (set data.label_column / data.feature_columns / "
                 "data.tensor_column / data.key_column to match)"
             )
-        elif not _is_numeric(label_type := schema.field(cfg.label_column).type):
+        elif label and not _is_numeric(label_type := schema.field(label).type):
             problems.append(
                 f"label column {cfg.label_column!r} has type {label_type}; labels must be "
                 + ("numbers" if self.num_classes is None else "whole numbers (classes)")
             )
-        used = {cfg.label_column, cfg.key_column}
+        used = {label, cfg.key_column}
         features: tuple[str, ...] | None = None
         if cfg.tensor_column:
             used.add(cfg.tensor_column)
@@ -273,7 +291,7 @@ class Validator:
                 )
         if problems:
             raise DataError(f"{origin}: " + "; ".join(problems))
-        plan = ColumnPlan(cfg.label_column, cfg.key_column, features, cfg.tensor_column)
+        plan = ColumnPlan(label, cfg.key_column, features, cfg.tensor_column)
         if self._first_plan is None:
             self._first_plan = (origin, plan)
             if features is not None:
@@ -306,7 +324,8 @@ class Validator:
             columns = [table.column(c) for c in plan.feature_columns]
             null = np.zeros(n, dtype=bool)
             for column in columns:
-                null |= column.is_null().to_numpy(zero_copy_only=False)
+                if column.null_count:  # known without a pass over the values
+                    null |= column.is_null().to_numpy(zero_copy_only=False)
             _mark(bad, reason, null, "null value")
             # An unsafe cast: integers beyond 2**24 round, as float32 must; overflow
             # becomes Inf and is rejected as such below. Nulls become NaN.
@@ -368,19 +387,28 @@ class Validator:
         _mark(bad, reason, (labels < 0) | (labels >= self.num_classes), "label out of range")
         return labels
 
-    def process(self, chunk: SourceChunk) -> tuple[pa.Table, pa.Table]:
-        """Split one chunk into (normalized accepted rows, quarantine rows)."""
+    def _check(self, chunk: SourceChunk):
+        """The checks every row goes through: (plan, features, labels or None, bad, reason)."""
         table = chunk.table
         plan = self.plan(chunk.origin, table.schema)
         n = table.num_rows
         bad = np.zeros(n, dtype=bool)
         reason: list[str | None] = [None] * n
         features = self._features(table, plan, bad, reason)
-        labels = self._labels(table.column(plan.label), bad, reason)
+        labels = self._labels(table.column(plan.label), bad, reason) if plan.label else None
         _mark(bad, reason, ~np.isfinite(features).all(axis=1), "NaN or Inf")
         if plan.key:
+            null_key = table.column(plan.key).is_null().to_numpy(zero_copy_only=False)
+            _mark(bad, reason, null_key, "null value")
+        return plan, features, labels, bad, reason
+
+    def process(self, chunk: SourceChunk) -> tuple[pa.Table, pa.Table]:
+        """Split one chunk into (normalized accepted rows, quarantine rows)."""
+        table = chunk.table
+        plan, features, labels, bad, reason = self._check(chunk)
+        n = table.num_rows
+        if plan.key:
             key_col = table.column(plan.key).combine_chunks()
-            _mark(bad, reason, key_col.is_null().to_numpy(zero_copy_only=False), "null value")
             keys = keys_from_column(pc.fill_null(key_col, 0) if key_col.null_count else key_col)
         else:
             # Float labels enter the key by their bits: casting would merge 1.2 and 1.7.
@@ -394,9 +422,7 @@ class Validator:
                     self._seen.add(key)
             _mark(bad, reason, dup, "duplicate")
 
-        self.report.rows_in += n
-        good = ~bad
-        self.report.rows_accepted += int(good.sum())
+        good = self._count(n, bad)
         if not good.any():  # nothing to keep (and perhaps no shape known yet)
             accepted = pa.table({})
         else:
@@ -405,6 +431,22 @@ class Validator:
             accepted = normalized_table(keys, features, labels, self.layout)
         quarantined = self._quarantine(chunk, np.flatnonzero(bad), reason, table)
         return accepted, quarantined
+
+    def screen(self, chunk: SourceChunk) -> Screened:
+        """Check one chunk of unlabelled rows (new data to score): the same row checks as
+        ingest, without labels, keys or duplicates (every row gets its own prediction)."""
+        if self.labelled:
+            raise RuntimeError("screen() checks unlabelled rows: build it with labels=None")
+        _, features, _, bad, reason = self._check(chunk)
+        good = self._count(chunk.table.num_rows, bad)
+        quarantined = self._quarantine(chunk, np.flatnonzero(bad), reason, chunk.table)
+        return Screened(features[good] if bad.any() else features, good, quarantined)
+
+    def _count(self, n: int, bad: np.ndarray) -> np.ndarray:
+        self.report.rows_in += n
+        good = ~bad
+        self.report.rows_accepted += int(good.sum())
+        return good
 
     def _quarantine(self, chunk, bad_rows, reason, table) -> pa.Table:
         if not len(bad_rows):

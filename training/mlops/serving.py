@@ -16,11 +16,13 @@ dependency), so importing this module costs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import shutil
 import sysconfig
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +148,11 @@ def log_pyfunc_model(
     return info.model_uri
 
 
-def load_registered_model(model_uri: str, tracking_uri: str | None = None):
-    """The model (eval mode, CPU) and ModelSpec of a model logged by `log_pyfunc_model`,
-    from any model URI (models:/name@alias, models:/<model id>, runs:/<run>/model). Only
-    the model folder is read, as load_model_dir reads it; no pickled class is loaded."""
+@contextlib.contextmanager
+def downloaded_model(model_uri: str, tracking_uri: str | None = None) -> Iterator[tuple[Path, Any]]:
+    """The model folder of a model logged by `log_pyfunc_model`, downloaded from any model
+    URI (models:/name@alias, models:/<model id>, runs:/<run>/model) for the `with` block,
+    and its MLflow `Model` (signature, params). Nothing in it is loaded here."""
     from mlflow.models import Model
 
     import mlflow
@@ -158,8 +161,16 @@ def load_registered_model(model_uri: str, tracking_uri: str | None = None):
         mlflow.set_tracking_uri(tracking_uri)
     with tempfile.TemporaryDirectory(prefix="gradline-model-") as tmp:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=tmp))
-        flavor = Model.load(str(local)).flavors["python_function"]
-        return load_model_dir(local / flavor["artifacts"][MODEL_DIR_ARTIFACT]["path"])
+        logged = Model.load(str(local))
+        flavor = logged.flavors["python_function"]
+        yield local / flavor["artifacts"][MODEL_DIR_ARTIFACT]["path"], logged
+
+
+def load_registered_model(model_uri: str, tracking_uri: str | None = None):
+    """The model (eval mode, CPU) and ModelSpec of a model logged by `log_pyfunc_model`.
+    Only the model folder is read, as load_model_dir reads it; no pickled class is loaded."""
+    with downloaded_model(model_uri, tracking_uri) as (folder, _):
+        return load_model_dir(folder)
 
 
 def rescore_champion(cfg: Config, shards: Path, model_uri: str, metric: str) -> float:

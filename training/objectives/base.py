@@ -324,8 +324,17 @@ class Objective(ABC):
         with torch.no_grad():
             for start in range(0, len(rows), PREDICT_BATCH_ROWS):
                 out = model(torch.from_numpy(rows[start : start + PREDICT_BATCH_ROWS]))
-                outputs.append(self.predict(out.float()).numpy().astype(self.prediction_dtype))
+                outputs.append(self.predicted(out))
         return np.concatenate(outputs)
+
+    def predicted(self, output: torch.Tensor) -> np.ndarray:
+        """A batch of model outputs as the registered model returns them, one per row."""
+        return self.predict(output.float()).numpy().astype(self.prediction_dtype)
+
+    def prediction_columns(self, output: torch.Tensor) -> dict[str, np.ndarray]:
+        """A batch of model outputs as the columns `gradline score` writes: `prediction`
+        (what `serve` returns for the row) and what else the task knows per row."""
+        return {"prediction": self.predicted(output)}
 
     def features(self, model_input: Any) -> np.ndarray:
         """Rows as float32 (N, *feature_shape): a DataFrame (columns by name where they

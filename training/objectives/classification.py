@@ -54,6 +54,13 @@ class Objective(base.Objective):
     def predict(self, output: torch.Tensor) -> torch.Tensor:
         return output.argmax(dim=1)
 
+    def prediction_columns(self, output: torch.Tensor) -> dict[str, np.ndarray]:
+        """The class and each class's probability (`prob_<class>`, softmax of the logits)."""
+        columns = super().prediction_columns(output)
+        probabilities = torch.softmax(output.float(), dim=1).numpy()
+        columns.update({f"prob_{k}": probabilities[:, k] for k in range(self.num_classes)})
+        return columns
+
     def batch_stats(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         c = self.num_classes
         # confusion[true, predicted], flattened row-major
