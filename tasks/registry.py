@@ -167,7 +167,7 @@ def register_trained(root: Path, cfg: Config, wait_s: float, say) -> RunSummary:
         trained["run_id"],
         score,
         split_digest(manifest, "test"),
-        lambda model_uri: rescore_champion(cfg, project.shards, model_uri, score.metric),
+        lambda uri: rescore_champion(cfg, project.shards, uri, score.metric, tracking_uri),
         tags={**version_tags(run.data.tags), TAG_MODEL_CARD: card_uri(run.info.run_id)},
         card_link=card_link(run.info.experiment_id, run.info.run_id),
         note=drift_note,

@@ -15,6 +15,7 @@ import pytest
 from training.config import DataConfig, ShardConfig
 from training.data.ingest import ingest
 from training.data.shards import write_shards
+from training.mlops.tracking import fluent_state_restored
 
 REPO = Path(__file__).resolve().parents[1]
 # Run outputs that a checkout may hold but a fresh clone does not.
@@ -42,6 +43,14 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped under CI ({CI_ENV}=1), where every test must run: {reason}"
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_process_state():
+    """No test hands MLflow's process-wide store to the next: a test that points it at a
+    server it then stops would fail every later in-process `models:/` load."""
+    with fluent_state_restored():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from training.mlops.registry import (
     register_and_gate,
 )
 from training.mlops.serving import log_pyfunc_model
-from training.mlops.tracking import TAG_TEST_DIGEST, client, ensure_experiment
+from training.mlops.tracking import TAG_TEST_DIGEST, client, ensure_experiment, fluent_store
 from training.models.folder import ModelSpec, save_model_dir
 from training.models.registry import build_model
 
@@ -148,8 +148,8 @@ def test_a_registration_cut_short_is_gated_on_the_next_run(store) -> None:
 
     _gate(store, _trained(store, 0.80), 0.80)
     run = _trained(store, 0.90)
-    mlflow.set_registry_uri(store[0])
-    mlflow.register_model(run[1], NAME, tags={"gradline.run_id": run[0]})  # then a crash
+    with fluent_store(store[0]):
+        mlflow.register_model(run[1], NAME, tags={"gradline.run_id": run[0]})  # then a crash
     registry = client(store[0])
     assert not is_gated(registry, NAME, run[0])
     result = _gate(store, run, 0.90)

