@@ -35,6 +35,7 @@ import torch
 from benchmarks.common import fmt
 from training.config import Config
 from training.data.spec import DataSpec
+from training.mlops.registry import register_version
 from training.mlops.scoring import ScoreRequest, loaded_model, resolve_model, score_new_rows
 from training.mlops.serving import log_pyfunc_model
 from training.mlops.tracking import client, ensure_experiment
@@ -57,8 +58,7 @@ def register_default_model(base: Path) -> tuple[str, Config]:
     model = build_model(cfg.model, cfg.task.type, data)
     save_model_dir(model, ModelSpec.create(cfg.task.type, cfg.model, data), folder)
     model_uri = log_pyfunc_model(uri, run_id, folder, cfg.generation())
-    mlflow_client.create_registered_model(NAME)
-    mlflow_client.create_model_version(NAME, model_uri, run_id)
+    register_version(uri, NAME, model_uri)
     mlflow_client.set_registered_model_alias(NAME, "champion", "1")
     return uri, cfg
 

@@ -29,9 +29,10 @@ from training.data.score_input import FILE_KEY, ROW_KEY
 from training.data.spec import DataSpec
 from training.data.tokenizer import ByteTokenizer
 from training.errors import DataError
+from training.mlops.registry import register_version
 from training.mlops.scoring import ScoreRequest, score_new_rows
 from training.mlops.serving import log_pyfunc_model
-from training.mlops.tracking import client, ensure_experiment, fluent_store
+from training.mlops.tracking import client, ensure_experiment
 from training.models.folder import ModelSpec, save_model_dir
 from training.models.registry import build_model
 
@@ -266,9 +267,7 @@ def _registered(tmp_path: Path, name: str, task: str, data: DataSpec, cfg: Model
     save_model_dir(build_model(cfg, task, data), spec, folder, tokenizer)
     generation = Config().generation()
     model_uri = log_pyfunc_model(uri, run_id, folder, generation)
-    mlflow_client.create_registered_model(name)
-    with fluent_store(uri):  # the version's source, models:/<id>, resolves through it
-        mlflow_client.create_model_version(name, model_uri, run_id)
+    register_version(uri, name, model_uri)
     mlflow_client.set_registered_model_alias(name, "champion", "1")
     return uri
 

@@ -184,10 +184,7 @@ def register_and_gate(
             return Registration(model_name, int(version.version), CHAMPION, score, None, done)
     tags = {"gradline.run_id": run_id, **(tags or {})}
     if version is None:
-        import mlflow
-
-        with fluent_store(tracking_uri):
-            version = mlflow.register_model(model_uri, model_name, tags=tags)
+        version = register_version(tracking_uri, model_name, model_uri, tags)
     for key, value in (
         (score.metric, score.value),
         (f"baseline_{score.metric}", score.baseline),
@@ -295,6 +292,16 @@ class _Gate:
             self.version,
             description=_describe(self.tags, verdict, self.card_link),
         )
+
+
+def register_version(tracking_uri: str, model_name: str, model_uri: str, tags=None):
+    """A new version of `model_name` (created when missing) from a logged model's URI.
+    Through the fluent API in `fluent_store`: MLflow resolves a `models:/<model id>` source
+    through the process-wide tracking URI whichever client asks."""
+    import mlflow
+
+    with fluent_store(tracking_uri):
+        return mlflow.register_model(model_uri, model_name, tags=tags)
 
 
 def version_of_run(mlflow_client, model_name: str, run_id: str):
