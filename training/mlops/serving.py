@@ -153,7 +153,7 @@ def log_pyfunc_model(
 
 
 @contextlib.contextmanager
-def downloaded_model(model_uri: str, tracking_uri: str | None = None) -> Iterator[tuple[Path, Any]]:
+def downloaded_model(model_uri: str, tracking_uri: str) -> Iterator[tuple[Path, Any]]:
     """The model folder of a model logged by `log_pyfunc_model`, downloaded from any model
     URI (models:/name@alias, models:/<model id>, runs:/<run>/model) for the `with` block,
     and its MLflow `Model` (signature, params). Nothing in it is loaded here."""
@@ -164,15 +164,14 @@ def downloaded_model(model_uri: str, tracking_uri: str | None = None) -> Iterato
     # The whole fluent state, not just download_artifacts' URI arguments: a registered
     # version's source (models:/<model id>) is resolved again through the process-wide
     # tracking URI.
-    store = fluent_store(tracking_uri) if tracking_uri else contextlib.nullcontext()
-    with store, tempfile.TemporaryDirectory(prefix="gradline-model-") as tmp:
+    with fluent_store(tracking_uri), tempfile.TemporaryDirectory(prefix="gradline-model-") as tmp:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=tmp))
         logged = Model.load(str(local))
         flavor = logged.flavors["python_function"]
         yield local / flavor["artifacts"][MODEL_DIR_ARTIFACT]["path"], logged
 
 
-def load_registered_model(model_uri: str, tracking_uri: str | None = None):
+def load_registered_model(model_uri: str, tracking_uri: str):
     """The model (eval mode, CPU) and ModelSpec of a model logged by `log_pyfunc_model`.
     Only the model folder is read, as load_model_dir reads it; no pickled class is loaded."""
     with downloaded_model(model_uri, tracking_uri) as (folder, _):
