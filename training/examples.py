@@ -67,6 +67,17 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "runtime": {"eval_every_steps": 500, "log_every_steps": 50},
         "registry": {"model_name": "gradline-stdlib-gpt"},
     },
+    "co2-forecast": {
+        "about": "weekly Mauna Loa CO2 1958-2001 (statsmodels, bundled): a causal TCN "
+        "forecasting 13 weeks from 2 years, against seasonal naive",
+        "data": {"source": "co2"},
+        # Two years of weekly context, a quarter ahead, a yearly season.
+        "task": {"type": "forecasting", "context": 104, "horizon": 13, "season": 52},
+        "model": {"name": "tcn", "channels": 16, "layers": 4, "kernel_size": 3, "dropout": 0.0},
+        "optim": {"lr": 0.003, "warmup_steps": 10, "weight_decay": 0.0001},
+        "train": {"epochs": 15, "batch_size": 64},
+        "registry": {"model_name": "gradline-co2"},
+    },
 }
 
 

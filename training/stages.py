@@ -13,9 +13,10 @@ from typing import Any
 from training.atomic import write_json
 from training.data.ingest import ingest
 from training.data.manifest import read_manifest, split_digest
+from training.data.series import ingest_series, write_window_shards
 from training.data.shards import write_shards
 from training.evaluation import evaluate
-from training.mlops.drift import check_new_data
+from training.mlops.drift import INCOMPARABLE, check_new_data
 from training.mlops.jobs import JobRequest, run_job
 from training.mlops.runs import evaluation_records, record_evaluation
 from training.mlops.sync import defer_evaluation, ship_if_answering
@@ -35,6 +36,8 @@ def ingest_stage(
     champion's data: the report gets a `drift` section (training.mlops.drift)."""
     project = Project(root)
     cfg = project.config()
+    if cfg.task.type == "forecasting":
+        return _ingest_series(cfg, root, out, quarantine, report, profile or project.profile)
     labels = cfg.task.card.labels
     result = ingest(cfg.data, root, out, quarantine, report, labels=labels).to_dict()
     log.info("ingest: %s from %s into %s", result, cfg.data.source, out)
@@ -44,9 +47,29 @@ def ingest_stage(
     return {**result, "drift": drift}
 
 
+def _ingest_series(
+    cfg: Any, root: Path, out: Path, quarantine: Path, report: Path, profile: Path
+) -> dict[str, Any]:
+    """A time series snapshot (training.data.series). Drift is checked on tables and
+    text only for now: the report says so, and the profile names the kind."""
+    result = ingest_series(cfg.data, root, out, quarantine, report)
+    drift = {"status": INCOMPARABLE, "message": "time series: no drift check yet"}
+    write_json(profile, {"kind": "series"})
+    write_json(report, {**result, "drift": drift})
+    log.info("ingest: %s from %s into %s", result, cfg.data.source, out)
+    return {**result, "drift": drift}
+
+
 def shard_stage(root: Path, raw: Path, out: Path) -> dict[str, Any]:
     cfg = Project(root).config()
-    manifest = write_shards(cfg.shard, raw, out, data_version(root))
+    if cfg.task.type == "forecasting":  # windows split by time, not rows split by key
+        task = cfg.task
+        manifest = write_window_shards(
+            cfg.data, cfg.shard, task.context, task.horizon, task.season, raw, out,
+            data_version(root),
+        )  # fmt: skip
+    else:
+        manifest = write_shards(cfg.shard, raw, out, data_version(root))
     counts = {name: split["rows"] for name, split in manifest["splits"].items()}
     log.info("shard: %s rows per split into %s", counts, out)
     return counts

@@ -76,7 +76,15 @@ SECTION_USES: dict[str, KeyUse] = {
 }
 # Keys used differently from the rest of their section: the task's kind of labels
 # decides how ingest reads the label column.
-KEY_USES: dict[str, KeyUse] = {"task.type": KeyUse(("ingest", "train"), "param")}
+# A forecasting job's shards are windows cut by the task's context and horizon at split
+# dates the shard stage computes, so those keys decide the shards too.
+KEY_USES: dict[str, KeyUse] = {
+    "task.type": KeyUse(("ingest", "shard", "train"), "param"),
+    "task.context": KeyUse(("shard", "train"), "param"),
+    "task.horizon": KeyUse(("shard", "train"), "param"),
+    "task.season": KeyUse(("shard", "train"), "param"),
+    "data.split_dates": KeyUse(("ingest", "shard"), "param"),
+}
 
 
 def use(key: str) -> KeyUse:

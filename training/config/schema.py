@@ -25,7 +25,7 @@ from training.config.sections import (
     UpdateConfig,
 )
 from training.config.sweep import SweepConfig
-from training.data.options import SOURCES, DataConfig, ShardConfig
+from training.data.options import SOURCES, USER_TABLE_SOURCES, DataConfig, ShardConfig
 from training.errors import ConfigError
 from training.models.options import BUILTINS, ModelConfig, check_model_layout
 from training.objectives import Generation, TaskConfig, tasks_learning, tasks_with_labels
@@ -68,6 +68,7 @@ class Config(Section):
     def _sections_agree(self) -> Config:
         self._check_layout()
         self._check_task_fits_source()
+        self._check_forecasting()
         self._check_watched_metric()
         if not self.model.target:
             self._check_model_learns_task()
@@ -95,6 +96,23 @@ class Config(Section):
             raise ValueError(
                 f"data.num_classes is required to classify a {name} table: labels are "
                 "checked against 0..num_classes-1 (or set task.type: regression)"
+            )
+
+    def _check_forecasting(self) -> None:
+        if self.task.type != "forecasting":
+            return
+        task, data = self.task, self.data
+        if data.source in USER_TABLE_SOURCES and not data.time_column:
+            raise ValueError(
+                f"task.type forecasting on a {data.source} table needs data.time_column: "
+                "the column holding each point's time (dates, or whole-number steps); the "
+                "target is data.label_column, covariates data.feature_columns"
+            )
+        if task.season > task.context:
+            raise ValueError(
+                f"task.season ({task.season}) is longer than task.context ({task.context}): "
+                "the seasonal-naive baseline repeats the last season of the context, so "
+                "the context must hold one; raise task.context or lower task.season"
             )
 
     def _check_watched_metric(self) -> None:

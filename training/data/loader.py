@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 import torch.utils.data
 
@@ -85,7 +86,7 @@ class ShardReader:
     def row_bytes(self) -> int:
         """Bytes of one row as the loader delivers it (features + label)."""
         features, labels = self._view(0)
-        return features.shape[1] * features.itemsize + labels.itemsize
+        return features.shape[1] * features.itemsize + labels[:1].nbytes
 
     def open_all(self) -> None:
         """Map every shard now (mapping reads nothing). The first map in a process pays
@@ -101,7 +102,14 @@ class ShardReader:
             width = column.type.list_size
             # Zero-copy views straight onto the mapped file.
             features = column.flatten().to_numpy(zero_copy_only=True).reshape(-1, width)
-            labels = batch.column(batch.schema.get_field_index(LABEL)).to_numpy()
+            label = batch.column(batch.schema.get_field_index(LABEL))
+            if pa.types.is_fixed_size_list(label.type):
+                # Several values per row (a forecast's horizon): a (rows, width) view.
+                labels = (
+                    label.flatten().to_numpy(zero_copy_only=True).reshape(-1, label.type.list_size)
+                )
+            else:
+                labels = label.to_numpy()
             view = (features, labels)
             self._views[shard_id] = view
         return view
@@ -121,13 +129,13 @@ class ShardReader:
         first_x, first_y = self._view(first_shard)
         features = np.empty((len(rows), first_x.shape[1]), dtype=np.float32)
         # Labels keep the shards' type: int64 classes, float32 regression targets.
-        labels = np.empty(len(rows), dtype=first_y.dtype)
+        labels = np.empty((len(rows), *first_y.shape[1:]), dtype=first_y.dtype)
         for shard_id in np.flatnonzero(bounds[1:] - bounds[:-1]).tolist():
             start, stop = bounds[shard_id], bounds[shard_id + 1]
             local = rows[start:stop] - self._offsets[shard_id]
             src_x, src_y = self._view(shard_id)
             src_x.take(local, axis=0, out=features[start:stop], mode="clip")
-            src_y.take(local, out=labels[start:stop], mode="clip")
+            src_y.take(local, axis=0, out=labels[start:stop], mode="clip")
         return features, labels
 
 

@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 
 from training.options import Section, Seed
 
-DataKind = Literal["table", "image", "tokens"]
+DataKind = Literal["table", "image", "tokens", "series"]
 LabelKind = Literal["classes", "values"]
 
 
@@ -36,10 +36,12 @@ SOURCES: dict[str, SourceInfo] = {
     "digits": SourceInfo(("image",), labels="classes", knows_classes=True),
     "diabetes": SourceInfo(("table",), labels="values"),
     "synthetic": SourceInfo(("table", "image"), knows_classes=True),
-    "parquet": SourceInfo(("table", "image")),
-    "csv": SourceInfo(("table", "image")),
+    "parquet": SourceInfo(("table", "image", "series")),
+    "csv": SourceInfo(("table", "image", "series")),
     "text": SourceInfo(("tokens",), text=True),
     "stdlib": SourceInfo(("tokens",), text=True),
+    # Weekly Mauna Loa CO2 (statsmodels' package data): a real series, offline.
+    "co2": SourceInfo(("series",), labels="values"),
 }
 USER_TABLE_SOURCES = ("parquet", "csv")
 
@@ -101,6 +103,25 @@ class DataConfig(Section):
         "bytes", description="bytes: UTF-8 bytes, no training; bpe: trained at ingest"
     )
     vocab_size: int = Field(2048, ge=260, le=65535, description="bpe: vocabulary size")
+    # Time series (task.type forecasting) only; the target is label_column, the
+    # covariates feature_columns.
+    time_column: str | None = Field(
+        None,
+        min_length=1,
+        description="forecasting: the column of times (dates, or whole-number steps)",
+    )
+    series_column: str | None = Field(
+        None,
+        min_length=1,
+        description="forecasting: the column naming each series (null: one series)",
+    )
+    split_dates: list[str] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="forecasting: [validation start, test start] as ISO dates or steps; "
+        "null: cut the time span by shard.val_fraction and shard.test_fraction",
+    )
 
     @property
     def source_info(self) -> SourceInfo:

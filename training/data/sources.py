@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -179,6 +180,30 @@ BUILTIN_SOURCES: dict[str, Callable[[DataConfig, LabelKind], Iterator[SourceChun
     "diabetes": diabetes_chunks,
     "synthetic": synthetic_chunks,
 }
+
+
+@dataclass(frozen=True)
+class SeriesSource:
+    """A built-in time series: a DataFrame with a time column and a target column
+    (training.data.series ingests it; forecasting only)."""
+
+    frame: Callable[[], Any]
+    time_column: str
+    target: str
+
+
+def co2_frame() -> Any:
+    """Weekly CO2 at Mauna Loa, 1958-03-29 to 2001-12-29 (2,284 weeks, ppm), shipped with
+    statsmodels as package data: a real series, no download. 59 weeks have no reading;
+    they are filled by linear interpolation in time (a forecaster needs a regular grid,
+    and a gap of a few weeks in a smooth series is well bridged by a line)."""
+    from statsmodels.datasets import co2  # deferred: only the co2 source needs it
+
+    data = co2.load_pandas().data["co2"].interpolate(method="time")
+    return data.rename_axis("week").reset_index()
+
+
+SERIES_SOURCES: dict[str, SeriesSource] = {"co2": SeriesSource(co2_frame, "week", "co2")}
 
 
 def table_files(cfg: DataConfig, root: Path) -> list[Path]:

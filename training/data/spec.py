@@ -31,6 +31,9 @@ class DataSpec:
     label_std: float | None = None
     feature_names: tuple[str, ...] | None = None  # table: the source's column names
     tokenizer: str | None = None  # tokens: sha256 of the tokenizer that made them
+    # series: the windows (context, horizon, season), the cutoffs and each series'
+    # train-span statistics (training.data.series writes it into the manifest).
+    forecast: dict[str, Any] | None = None
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> DataSpec:
@@ -52,6 +55,7 @@ class DataSpec:
             label_mean=labels.get("mean"),
             label_std=labels.get("std"),
             feature_names=tuple(names) if names else None,
+            forecast=manifest.get("forecast"),
         )
 
     @property

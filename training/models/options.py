@@ -51,6 +51,13 @@ class GPTOptions(Section):
         return self
 
 
+class TCNOptions(Section):
+    channels: int = Field(32, ge=1, le=4096, description="channels of each convolution")
+    layers: int = Field(4, ge=1, le=16, description="causal blocks; block i dilates by 2**i")
+    kernel_size: int = Field(3, ge=2, le=64, description="taps of each convolution")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+
 @dataclass(frozen=True)
 class Builtin:
     options: type[Section]
@@ -59,10 +66,12 @@ class Builtin:
 
 
 BUILTINS: dict[str, Builtin] = {
-    "mlp": Builtin(MLPOptions, ("table", "image")),
+    "mlp": Builtin(MLPOptions, ("table", "image", "series")),
     "cnn": Builtin(CNNOptions, ("image",)),
     # Blocks to shard by columns and rows (tp) and to cut into pipeline stages (pp).
     "gpt": Builtin(GPTOptions, ("tokens",), frozenset({"tp", "pp"})),
+    # A causal temporal convolution over a forecasting window's past values.
+    "tcn": Builtin(TCNOptions, ("series",)),
 }
 
 
@@ -103,7 +112,7 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    name: str | None = Field("mlp", description="a built-in: mlp, cnn, gpt")
+    name: str | None = Field("mlp", description="a built-in: mlp, cnn, gpt, tcn")
     target: str | None = Field(
         None,
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",

@@ -23,6 +23,7 @@ from training.models.gpt import GPT
 from training.models.mlp import MLP
 from training.models.options import BUILTINS, ModelConfig, builtin, parse_model_options
 from training.models.standardize import Standardized
+from training.models.tcn import TCN
 from training.models.user import build_user_model
 from training.objectives import objective_for, tasks_learning
 
@@ -53,12 +54,31 @@ BUILDERS: dict[str, Callable[[Any, DataSpec, int], nn.Module]] = {
         dropout=o.dropout,
         tied_embeddings=o.tied_embeddings,
     ),
+    "tcn": lambda o, data, out: _tcn(o, data, out),
 }
+
+
+def _tcn(options: Any, data: DataSpec, horizon: int) -> nn.Module:
+    """A window's features are its context, then its covariates (training.data.series)."""
+    width = int(np.prod(data.feature_shape))
+    context = int((data.forecast or {}).get("context", width))
+    return TCN(
+        context,
+        width - context,
+        horizon,
+        channels=options.channels,
+        layers=options.layers,
+        kernel_size=options.kernel_size,
+        dropout=options.dropout,
+    )
+
+
 # In words, for error messages: what each kind of data is.
 KIND_NEEDS = {
     "table": "table features",
     "image": "image-shaped features, (H, W) or (C, H, W) per example (data.feature_shape)",
     "tokens": "token ids from a text source (data.source: text or stdlib)",
+    "series": "forecasting windows of a time series (task.type: forecasting)",
 }
 
 

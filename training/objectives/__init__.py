@@ -83,6 +83,14 @@ TASKS: dict[str, TaskCard] = {
                 ("bits_per_byte", False),
             ),
         ),
+        TaskCard(
+            "forecasting", "forecasting", ("series",), "values",
+            "test_mase", higher_is_better=False,
+            metrics=(
+                ("mase", False), ("mae", False), ("rmse", False), ("smape", False),
+                ("loss", False),
+            ),
+        ),
     )
 }  # fmt: skip
 
@@ -119,8 +127,22 @@ class TaskConfig(Section):
 
     type: Literal[tuple(TASKS)] = Field(  # type: ignore[valid-type]
         "classification",
-        description="classification (integer labels), regression (float labels) or "
-        "language_modeling (text sources)",
+        description="classification (integer labels), regression (float labels), "
+        "language_modeling (text sources) or forecasting (time series)",
+    )
+    # Forecasting only: the window each prediction sees and makes.
+    context: int = Field(
+        52, ge=1, le=100_000, description="forecasting: past points a forecast sees"
+    )
+    horizon: int = Field(
+        4, ge=1, le=10_000, description="forecasting: future points each forecast predicts"
+    )
+    season: int = Field(
+        1,
+        ge=1,
+        le=100_000,
+        description="forecasting: season length in points, for the seasonal-naive baseline "
+        "and MASE's scale (1: no season, naive last value)",
     )
 
     @property
