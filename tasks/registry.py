@@ -48,7 +48,14 @@ class RunSummary:
         metrics = "  ".join(
             f"{k}={v:.4f}"
             + (
-                f" (baseline {b:.4f})"
+                f" (baseline {b:.4f}"
+                # A task with a second baseline (forecasting's last value) shows it too.
+                + (
+                    f", last value {last:.4f}"
+                    if (last := self.metrics.get(f"baseline_last_value_{k}")) is not None
+                    else ""
+                )
+                + ")"
                 if (b := self.metrics.get(f"baseline_{k}")) is not None
                 else ""
             )
@@ -94,7 +101,9 @@ def _summarize(cfg: Config, root: Path, run_id: str, status: str, verdict: str =
         version_url=model_version_url(base, name, int(version.version)),
         alias=",".join(version.aliases) or "(none)",
         metrics={
-            k: v for k, v in run.data.metrics.items() if k.startswith(("test_", "baseline_test_"))
+            k: v
+            for k, v in run.data.metrics.items()
+            if k.startswith(("test_", "baseline_test_", "baseline_last_value_test_"))
         },
         verdict=verdict or version.description or "",
     )

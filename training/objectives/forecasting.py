@@ -181,11 +181,12 @@ class Objective(base.Objective):
             span = np.arange(start, start + h)
             ax.plot(span, forecast[start], "C1-", linewidth=1, alpha=0.7,
                     label=f"forecast, {h} steps" if start == 0 else None)  # fmt: skip
-        name = self.forecast["series"][0]["name"] if self.forecast.get("series") else ""
+        name = self.forecast["series"][0]["name"] if self.forecast.get("series_column") else ""
         ax.set(
             xlabel="test window (first target, in steps from the test cutoff)",
             ylabel=self.forecast.get("target", "value"),
-            title=f"Forecast vs actual on the test span {name}".strip(),
+            title=f"Forecast vs actual on the test span {name}".strip()
+            + " (its first series)" * bool(name),
         )
         ax.legend()
         plots.save(fig, out)
