@@ -36,7 +36,7 @@ def ingest_stage(
     champion's data: the report gets a `drift` section (training.mlops.drift)."""
     project = Project(root)
     cfg = project.config()
-    if cfg.task.type == "forecasting":
+    if cfg.task.card.learns_series:
         return _ingest_series(cfg, root, out, quarantine, report, profile or project.profile)
     labels = cfg.task.card.labels
     result = ingest(cfg.data, root, out, quarantine, report, labels=labels).to_dict()
@@ -62,7 +62,7 @@ def _ingest_series(
 
 def shard_stage(root: Path, raw: Path, out: Path) -> dict[str, Any]:
     cfg = Project(root).config()
-    if cfg.task.type == "forecasting":  # windows split by time, not rows split by key
+    if cfg.task.card.learns_series:  # windows split by time, not rows split by key
         task = cfg.task
         manifest = write_window_shards(
             cfg.data, cfg.shard, task.context, task.horizon, task.season, raw, out,

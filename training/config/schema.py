@@ -99,12 +99,13 @@ class Config(Section):
             )
 
     def _check_forecasting(self) -> None:
-        if self.task.type != "forecasting":
+        if not self.task.card.learns_series:
             return
         task, data = self.task, self.data
         if data.source in USER_TABLE_SOURCES and not data.time_column:
             raise ValueError(
-                f"task.type forecasting on a {data.source} table needs data.time_column: "
+                f"task.type {self.task.type} on a {data.source} table needs "
+                "data.time_column: "
                 "the column holding each point's time (dates, or whole-number steps); the "
                 "target is data.label_column, covariates data.feature_columns"
             )

@@ -58,6 +58,13 @@ class TaskCard:
             )
         return "val_" + bare, directions[bare]
 
+    @property
+    def learns_series(self) -> bool:
+        """Whether it learns from time series: ingest keeps each point's time, and the
+        shard stage splits by time into windows (training.data.series) rather than
+        splitting rows by key."""
+        return "series" in self.learns_from
+
     def fits(self, kinds: tuple[DataKind, ...]) -> bool:
         return bool(set(kinds) & set(self.learns_from))
 
