@@ -199,6 +199,7 @@ def score_new_rows(
         )
     model = resolve_model(tracking_uri, request.model)
     with loaded_model(tracking_uri, model) as (predictor, defaults):
+        predictor.objective.check_scores_rows()
         rows = NewRows(root, request.options, predictor.spec.data_spec, cfg.data)
         prediction = _prediction(predictor, {**defaults, **request.generation})
         started = time.perf_counter()

@@ -327,6 +327,11 @@ class Objective(ABC):
                 outputs.append(self.predicted(out))
         return np.concatenate(outputs)
 
+    def check_scores_rows(self) -> None:
+        """Raise ConfigError naming what to do instead when the registered model does not
+        predict row by row (what `gradline score` does); tasks that do pass."""
+        return None
+
     def predicted(self, output: torch.Tensor) -> np.ndarray:
         """A batch of model outputs as the registered model returns them, one per row."""
         return self.predict(output.float()).numpy().astype(self.prediction_dtype)

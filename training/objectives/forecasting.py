@@ -193,6 +193,9 @@ class Objective(base.Objective):
 
     # --- the registered model -----------------------------------------------------------
 
+    def check_scores_rows(self) -> None:
+        self.features(None)
+
     def features(self, model_input: Any) -> np.ndarray:
         raise ConfigError(
             "a forecasting model does not score rows one by one: call it with a history "
