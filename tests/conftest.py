@@ -74,6 +74,21 @@ def tiny_token_shards(tmp_path_factory) -> Path:
     return base / "shards"
 
 
+@pytest.fixture(scope="session")
+def tiny_series_shards(tmp_path_factory) -> Path:
+    """Weekly CO2 cut into forecasting windows (26 weeks -> 4), in several shards, as the
+    `tcn` workload of tests/test_distributed.py reads them."""
+    from training.data.series import ingest_series, write_window_shards
+
+    base = tmp_path_factory.mktemp("tiny-series")
+    data = DataConfig(source="co2")
+    raw = base / "raw"
+    ingest_series(data, base, raw, base / "quarantine", base / "report.json")
+    shard = ShardConfig(target_shard_mb=0.05)
+    write_window_shards(data, shard, 26, 4, 13, raw, base / "shards", "test-md5")
+    return base / "shards"
+
+
 def copy_project(root: Path) -> Path:
     """A fresh copy of the project's files (as a clone would have them) in its own git repo."""
     listed = subprocess.run(

@@ -45,13 +45,20 @@ WORKLOADS = {
         "model": {"name": "gpt", "layers": 2, "heads": 2, "width": 32, "context": 16},
         "train": {"epochs": 1, "max_steps": 30},
     },
+    # Forecasting windows (tests/conftest.py tiny_series_shards): a list label per row.
+    "tcn": {
+        "data": {"source": "co2"},
+        "task": {"type": "forecasting", "context": 26, "horizon": 4, "season": 13},
+        "model": {"name": "tcn", "channels": 8, "layers": 2},
+        "train": {"epochs": 1, "max_steps": 30},
+    },
 }
 # 1, 2 and 4 ranks (and micro-batches) differ only by floating-point summation order.
 # The MLP's weights agree to a relative 1e-4. Models with normalization layers are judged
 # by what they compute (max |logit difference| on validation rows): behind a LayerNorm or
 # GroupNorm some gradients are sums that nearly cancel, and Adam, which divides each
 # gradient by its own running size, turns their rounding noise into small weight changes.
-WEIGHT_TOLERANCE = {"mlp": 1e-4}
+WEIGHT_TOLERANCE = {"mlp": 1e-4, "tcn": 1e-4}
 OUTPUT_TOLERANCE = {"cnn": 0.05, "gpt": 0.02}
 
 
@@ -71,7 +78,7 @@ def _config(workload: str = "mlp", **sections) -> Config:
 
 
 def _shards(workload: str, request) -> Path:
-    name = "tiny_token_shards" if workload == "gpt" else "tiny_shards"
+    name = {"gpt": "tiny_token_shards", "tcn": "tiny_series_shards"}.get(workload, "tiny_shards")
     return request.getfixturevalue(name)
 
 
@@ -314,6 +321,7 @@ def test_sigterm_to_the_stage_under_dvc_repro_stops_it_and_dvc_repro_resumes(tmp
     [
         ("mlp", ((1, 1), (4, 1), (2, 2))),
         ("cnn", ((1, 1), (4, 1))),
+        ("tcn", ((1, 1),)),
         # gpt: tests/test_parallel.py holds 1 rank against every layout, losses per step.
     ],
 )
