@@ -322,3 +322,25 @@ def test_the_manifest_describes_windows_the_loader_reads(tmp_path: Path) -> None
     x, y = open_reader(shards, manifest, "train").gather(np.arange(4))
     assert x.shape == (4, 13) and x.dtype == np.float32
     assert y.shape == (4, 3 + 3) and y.dtype == np.float64  # horizon, then mean, std, scale
+
+
+def test_the_tcn_is_causal_and_reads_covariates_after_the_context() -> None:
+    from training.models.tcn import TCN
+
+    torch.manual_seed(0)
+    model = TCN(16, 2, 3, channels=4, layers=3, kernel_size=3, dropout=0.0)
+    torch.nn.init.normal_(model.head.weight)  # let the convolutions reach the output
+    x = torch.randn(2, 18)
+    assert model(x).shape == (2, 3)
+    # Inside the stack, the output at time t does not move when a later value does.
+    embed = model.embed(x[:, :16].unsqueeze(1))
+    changed = x.clone()
+    changed[:, 10] += 5.0
+    before = model.blocks(embed)
+    after = model.blocks(model.embed(changed[:, :16].unsqueeze(1)))
+    torch.testing.assert_close(after[:, :, :10], before[:, :, :10])
+    assert not torch.allclose(after[:, :, 10:], before[:, :, 10:])
+    # The covariates (the last 2 features) reach the forecast through the head.
+    moved = x.clone()
+    moved[:, 16:] += 1.0
+    assert not torch.allclose(model(moved), model(x))
