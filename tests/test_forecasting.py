@@ -344,3 +344,15 @@ def test_the_tcn_is_causal_and_reads_covariates_after_the_context() -> None:
     moved = x.clone()
     moved[:, 16:] += 1.0
     assert not torch.allclose(model(moved), model(x))
+
+
+def test_a_champion_forecasting_another_horizon_cannot_score_the_new_windows() -> None:
+    from training.data.spec import incompatibility
+
+    def spec(horizon: int) -> DataSpec:
+        return DataSpec("series", feature_shape=(12,), forecast={"horizon": horizon})
+
+    assert incompatibility(spec(3), "forecasting", spec(3), "forecasting") is None
+    assert incompatibility(spec(3), "forecasting", spec(4), "forecasting") == (
+        "it forecasts 3 steps, the windows now hold 4"
+    )

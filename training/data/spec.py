@@ -106,6 +106,11 @@ def incompatibility(trained: DataSpec, trained_task: str, now: DataSpec, task: s
             f"it takes features of shape {list(trained.feature_shape)}, the data now has "
             f"{list(now.feature_shape)}{change}"
         )
+    then, later = trained.forecast or {}, now.forecast or {}
+    if then.get("horizon") != later.get("horizon"):
+        return (
+            f"it forecasts {then.get('horizon')} steps, the windows now hold {later.get('horizon')}"
+        )
     if trained.num_classes != now.num_classes:
         return f"it predicts {trained.num_classes} classes, the data now has {now.num_classes}"
     if trained.vocab_size != now.vocab_size:
