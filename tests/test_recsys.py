@@ -249,7 +249,7 @@ def test_click_metrics_match_scikit_learn():
     metrics = objective.metrics(objective.batch_stats(output, target), "test")
     p = torch.sigmoid(output[:, 0]).double().numpy()
     y = target.numpy()
-    # Histograms of 4096 bins: pairs within one bin count one half.
+    # Histograms of 2048 bins: pairs within one bin count one half.
     assert metrics["test_auc"] == pytest.approx(roc_auc_score(y, p), abs=2e-4)
     assert metrics["test_log_loss"] == pytest.approx(log_loss(y, p), rel=1e-5)
     assert metrics["test_loss"] == metrics["test_log_loss"]
@@ -346,3 +346,34 @@ def test_click_baselines_popularity_and_hashed_lr():
     assert got["baseline_test_auc"] == got["lr_baseline_test_auc"]
     assert 0 < got["baseline_test_ndcg_at_10"] <= 1
     assert 0 < got["popularity_baseline_test_recall_at_10"] <= 1
+
+
+# --- the example, end to end -------------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_clicks_dlrm_example_beats_both_baselines_and_serves_raw_ids(tmp_path):
+    import pandas as pd
+
+    from training.data.clicks import COLUMNS
+
+    from .conftest import _client
+    from .test_e2e import _example_project, _pyfunc
+
+    project, run_id = _example_project(
+        tmp_path, "clicks-dlrm", "data.clicks_rows=100000", "train.epochs=1"
+    )
+    metrics = _client(project).get_run(run_id).data.metrics
+    for name in ("auc", "log_loss", "normalized_entropy", "recall_at_10", "ndcg_at_10"):
+        assert f"test_{name}" in metrics and f"baseline_test_{name}" in metrics
+    stronger = max(metrics["lr_baseline_test_auc"], metrics["popularity_baseline_test_auc"])
+    assert metrics["baseline_test_auc"] == stronger
+    assert metrics["test_auc"] > stronger + 0.01
+    assert metrics["test_normalized_entropy"] < 1.0
+    # The registered model scores rows of ids and dense features by column name.
+    x, _ = clicks_rows(clicks_rows=50, clicks_users=2000, clicks_items=1000)
+    rows = pd.DataFrame(x.astype(np.float64), columns=list(COLUMNS))
+    scores = np.asarray(_pyfunc(project, "gradline-clicks-dlrm").predict(rows)).ravel()
+    assert scores.shape == (50,) and ((scores > 0) & (scores < 1)).all()
+    assert 0.02 < scores.mean() < 0.3
