@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training.data.categorical import id_codes
 from training.data.hashing import mix64
 from training.data.spec import DataSpec
 from training.errors import DataError
@@ -287,6 +288,42 @@ class Objective(base.Objective):
         return forward
 
     # --- the registered model -----------------------------------------------------------
+
+    def features(self, model_input: Any) -> np.ndarray:
+        """Rows as float32: raw ids of a user's table hashed as ingest hashed them
+        (training.data.categorical), then the dense values; other inputs as every task
+        takes them."""
+        import pandas as pd  # deferred: pandas is needed only where a model serves
+
+        names = self.data.column_names
+        ids = self.data.categorical_columns
+        hashed = self.data.categorical_hashed and isinstance(model_input, pd.DataFrame)
+        if not hashed or not set(names) <= set(model_input.columns):
+            return super().features(model_input)
+        import pyarrow as pa
+
+        columns = [
+            id_codes(pa.array(model_input[name], from_pandas=True))
+            if name in ids
+            else model_input[name].to_numpy(dtype=np.float32, na_value=np.nan)
+            for name in names
+        ]
+        return np.column_stack(columns).astype(np.float32).reshape(len(model_input), -1)
+
+    def signature(self, generation):
+        """A table's named columns in, one click probability per row out; the id
+        columns of a user's table are strings (raw ids, hashed by the model)."""
+        signature, example = super().signature(generation)
+        if not self.data.categorical_hashed:
+            return signature, example
+        from mlflow.models import ModelSignature
+        from mlflow.types import ColSpec, Schema
+
+        ids = set(self.data.categorical_columns)
+        names = self.data.column_names
+        inputs = Schema([ColSpec("string" if n in ids else "double", n) for n in names])
+        example = example.astype({n: "int64" for n in ids}).astype({n: str for n in ids})
+        return ModelSignature(inputs=inputs, outputs=signature.outputs), example
 
     def prediction_columns(self, output: torch.Tensor) -> dict[str, np.ndarray]:
         """`prediction`: the click probability, and `clicked`: whether it is above 1/2."""
