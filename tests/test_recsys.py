@@ -16,6 +16,10 @@ from training.models.embedding_tables import EmbeddingTables
 from training.models.registry import build_model, check_buildable
 from training.models.standardize import Standardized
 
+from . import test_models
+
+tracking = test_models.tracking  # the MLflow store fixture, for the logged model's test
+
 # Three id columns (user, item, category) then two dense features.
 CLICK_DATA = DataSpec(
     "table",
@@ -532,3 +536,29 @@ def test_new_rows_to_score_hash_raw_ids_like_ingest(tmp_path):
     ingested, _ = reader.gather(np.arange(reader.num_rows))
     assert scored.shape == (200, 3)
     assert {tuple(r) for r in ingested.tolist()} <= {tuple(r) for r in scored.tolist()}
+
+
+def test_logged_click_model_scores_raw_string_ids(tmp_path, tracking):
+    import pandas as pd
+    import pyarrow as pa
+
+    from training.data.categorical import id_codes
+
+    hashed = DataSpec(
+        "table", (3,), 2, feature_mean=(0.0, 0.0, 20.0), feature_std=(1.0, 1.0, 10.0),
+        feature_names=("user", "sku", "price"), categorical_columns=("user", "sku"),
+        categorical_distinct=(40, 30), categorical_bound=(2**24 - 5, 2**24 - 9),
+        categorical_hashed=True,
+    )  # fmt: skip
+    model, loaded, _ = test_models.log_and_load(tracking, tmp_path, dlrm_cfg(), "click", hashed)
+    types = [str(t) for t in loaded.metadata.signature.inputs.input_types()]
+    assert ["string" in t for t in types] == [True, True, False]
+    raw = pd.DataFrame({"user": ["u001", "u002", "zoe"], "sku": ["1012", "77", "x"],
+                        "price": [9.5, 20.0, 31.0]})  # fmt: skip
+    scores = np.asarray(loaded.predict(raw)).ravel()
+    codes = np.column_stack(
+        [id_codes(pa.array(raw.user)), id_codes(pa.array(raw.sku)), raw.price.to_numpy()]
+    ).astype(np.float32)
+    with torch.no_grad():
+        expected = torch.sigmoid(model(torch.from_numpy(codes))[:, 0]).numpy()
+    assert np.allclose(scores, expected, atol=1e-6)
