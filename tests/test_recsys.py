@@ -362,7 +362,7 @@ def test_clicks_dlrm_example_beats_both_baselines_and_serves_raw_ids(tmp_path):
 
     from training.data.clicks import COLUMNS
 
-    from .conftest import _client
+    from .conftest import _client, _gradline
     from .test_e2e import _example_project, _pyfunc
 
     project, run_id = _example_project(
@@ -381,6 +381,15 @@ def test_clicks_dlrm_example_beats_both_baselines_and_serves_raw_ids(tmp_path):
     scores = np.asarray(_pyfunc(project, "gradline-clicks-dlrm").predict(rows)).ravel()
     assert scores.shape == (50,) and ((scores > 0) & (scores < 1)).all()
     assert 0.02 < scores.mean() < 0.3
+    # `gradline score` on the same rows: the same probabilities, and a 0/1 decision.
+    (project / "data" / "new").mkdir(parents=True)
+    rows.assign(id=[f"r{i}" for i in range(50)]).to_parquet(project / "data" / "new" / "a.parquet")
+    proc = _gradline(project, "score")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = pd.read_parquet(project / "data" / "scores" / "predictions.parquet")
+    assert list(table.columns) == ["id", "prediction", "clicked"] and len(table) == 50
+    np.testing.assert_allclose(table["prediction"].to_numpy(), scores, atol=1e-6)
+    assert (table["clicked"] == (table["prediction"] > 0.5)).all()
 
 
 # --- categorical columns of a user's table -------------------------------------------------
