@@ -575,3 +575,17 @@ def test_logged_click_model_scores_raw_string_ids(tmp_path, tracking):
     with torch.no_grad():
         expected = torch.sigmoid(model(torch.from_numpy(codes))[:, 0]).numpy()
     assert np.allclose(scores, expected, atol=1e-6)
+
+
+def test_wrong_table_rows_length_fails_at_config_validation():
+    from pydantic import ValidationError
+
+    from training.config.schema import Config
+
+    base = {"task": {"type": "click"}, "model": {"name": "dlrm", "table_rows": [10, 20]}}
+    with pytest.raises(ValidationError, match=r"table_rows lists 2 sizes.*3 id columns"):
+        Config(**base, data={"source": "clicks"})
+    csv = {"source": "csv", "num_classes": 2, "categorical_columns": ["user"]}
+    with pytest.raises(ValidationError, match=r"table_rows lists 2 sizes.*1 id columns \(user\)"):
+        Config(**base, data=csv)
+    Config(**base, data={**csv, "categorical_columns": ["user", "sku"]})
