@@ -589,3 +589,17 @@ def test_wrong_table_rows_length_fails_at_config_validation():
     with pytest.raises(ValidationError, match=r"table_rows lists 2 sizes.*1 id columns \(user\)"):
         Config(**base, data=csv)
     Config(**base, data={**csv, "categorical_columns": ["user", "sku"]})
+
+
+def test_user_and_item_columns_are_found_by_name():
+    def found(*names: str) -> tuple[int | None, int]:
+        spec = DataSpec(
+            "table", (len(names),), 2, categorical_columns=names,
+            categorical_distinct=(1,) * len(names), categorical_bound=(1,) * len(names),
+        )  # fmt: skip
+        objective = click_objective(spec)
+        return objective.user_column, objective.item_column
+
+    assert found("user_id", "item_id") == (0, 1)
+    assert found("sku", "User") == (1, 0)
+    assert found("a", "b") == (None, 0)
