@@ -36,6 +36,7 @@ SOURCES: dict[str, SourceInfo] = {
     "digits": SourceInfo(("image",), labels="classes", knows_classes=True),
     "diabetes": SourceInfo(("table",), labels="values"),
     "synthetic": SourceInfo(("table", "image"), knows_classes=True),
+    "clicks": SourceInfo(("table",), labels="classes", knows_classes=True),
     "parquet": SourceInfo(("table", "image", "series")),
     "csv": SourceInfo(("table", "image", "series")),
     "text": SourceInfo(("tokens",), text=True),
@@ -49,9 +50,10 @@ USER_TABLE_SOURCES = ("parquet", "csv")
 class DataConfig(Section):
     source: Literal[tuple(SOURCES)] = Field(  # type: ignore[valid-type]
         "digits",
-        description="digits, diabetes (bundled with scikit-learn), synthetic; parquet or "
-        "csv tables and text files under data.path; stdlib: the running Python's own "
-        "source code, a text corpus on every machine",
+        description="digits, diabetes (bundled with scikit-learn), synthetic; clicks "
+        "(generated click logs for recommendation); parquet or csv tables and text "
+        "files under data.path; stdlib: the running Python's own source code, a text "
+        "corpus on every machine",
     )
     path: str = Field(
         "data/incoming",
@@ -61,6 +63,11 @@ class DataConfig(Section):
     label_column: str = Field("label", min_length=1)
     feature_columns: list[str] | None = Field(
         None, description="numeric feature columns; null: every column but label and key"
+    )
+    categorical_columns: list[str] | None = Field(
+        None,
+        description="columns of ids (users, items, ... of any type), hashed to 24-bit codes "
+        "at ingest; they come first among the features, before the numeric ones",
     )
     tensor_column: str | None = Field(
         None, description="one fixed-shape list column holding all features instead"
@@ -88,7 +95,11 @@ class DataConfig(Section):
     synthetic_shape: list[int] = Field([64], min_length=1, description="feature shape")
     synthetic_classes: int = Field(10, ge=2)
     synthetic_noise: float = Field(1.0, ge=0.0)
-    seed: Seed = Field(0, description="seeds the synthetic source")
+    # Generated click logs (source clicks): impressions, users, items (ids < 2**24).
+    clicks_rows: int = Field(200_000, ge=1, description="clicks: impressions generated")
+    clicks_users: int = Field(5000, ge=1, le=2**24, description="clicks: distinct users")
+    clicks_items: int = Field(2000, ge=2, le=2**24, description="clicks: distinct items")
+    seed: Seed = Field(0, description="seeds the synthetic and clicks sources")
     # Text sources (text, stdlib) only.
     text_glob: str = Field("*.txt", min_length=1, description="text: which files to read")
     max_bytes: int | None = Field(
@@ -135,6 +146,12 @@ class DataConfig(Section):
                 "either from one list column or from several numeric columns"
             )
         shapes = [self.feature_shape or [1], self.synthetic_shape]
+        if self.categorical_columns is not None and self.tensor_column:
+            raise ValueError(
+                "data.categorical_columns needs features from named columns, not "
+                "data.tensor_column: list the id columns and (optionally) the numeric ones "
+                "in data.feature_columns"
+            )
         if any(d < 1 for shape in shapes for d in shape):
             raise ValueError("data.feature_shape and data.synthetic_shape need sizes >= 1")
         return self

@@ -58,6 +58,32 @@ class TCNOptions(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
 
 
+class DLRMOptions(Section):
+    embedding_dim: int = Field(16, ge=1, le=1024, description="width of every embedding row")
+    table_rows: int | list[int] | None = Field(
+        None,
+        description="rows of each id column's table (ids hashed in by remainder): one "
+        "number for every table (capped at the column's id range), a list with one per "
+        "data.categorical_columns entry, or null to size them from the data's distinct "
+        "counts",
+    )
+    bottom: list[int] = Field(
+        [64], description="hidden widths of the MLP from dense features to embedding_dim"
+    )
+    top: list[int] = Field(
+        [64, 32], description="hidden widths of the MLP from the interactions to the logit"
+    )
+
+    @model_validator(mode="after")
+    def _positive_sizes(self) -> DLRMOptions:
+        rows = self.table_rows if isinstance(self.table_rows, list) else [self.table_rows or 1]
+        if min(rows or [0]) < 1:
+            raise ValueError(f"model.table_rows needs sizes >= 1 (got {self.table_rows!r})")
+        if any(w < 1 for w in self.bottom + self.top):
+            raise ValueError("model.bottom and model.top need widths >= 1")
+        return self
+
+
 @dataclass(frozen=True)
 class Builtin:
     options: type[Section]
@@ -72,6 +98,8 @@ BUILTINS: dict[str, Builtin] = {
     "gpt": Builtin(GPTOptions, ("tokens",), frozenset({"tp", "pp"})),
     # A causal temporal convolution over a forecasting window's past values.
     "tcn": Builtin(TCNOptions, ("series",)),
+    # Tables whose leading features are id codes (data.categorical_columns, clicks).
+    "dlrm": Builtin(DLRMOptions, ("table",)),
 }
 
 
@@ -112,7 +140,7 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    name: str | None = Field("mlp", description="a built-in: mlp, cnn, gpt, tcn")
+    name: str | None = Field("mlp", description="a built-in: mlp, cnn, gpt, tcn, dlrm")
     target: str | None = Field(
         None,
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
