@@ -77,7 +77,7 @@ def test_unknown_section_is_named(params: Path) -> None:
         ("model.name=resnet", r"model\.name 'resnet' is not a built-in model; choose one of mlp"),
         ("model.layers=2", r"model\.layers is not a key of model mlp \(its keys: hidden"),
         ("model.name=gpt", r"model\.hidden is not a key of model gpt \(its keys: layers"),
-        ("task.type=regression", r"data\.source digits is a classification data set"),
+        ("task.type=regression", r"data\.source digits is a classification or click data set"),
         (
             "task.type=language_modeling",
             r"task\.type language_modeling does not fit data\.source digits: it learns from tokens",

@@ -36,6 +36,7 @@ SOURCES: dict[str, SourceInfo] = {
     "digits": SourceInfo(("image",), labels="classes", knows_classes=True),
     "diabetes": SourceInfo(("table",), labels="values"),
     "synthetic": SourceInfo(("table", "image"), knows_classes=True),
+    "clicks": SourceInfo(("table",), labels="classes", knows_classes=True),
     "parquet": SourceInfo(("table", "image")),
     "csv": SourceInfo(("table", "image")),
     "text": SourceInfo(("tokens",), text=True),
@@ -47,9 +48,10 @@ USER_TABLE_SOURCES = ("parquet", "csv")
 class DataConfig(Section):
     source: Literal[tuple(SOURCES)] = Field(  # type: ignore[valid-type]
         "digits",
-        description="digits, diabetes (bundled with scikit-learn), synthetic; parquet or "
-        "csv tables and text files under data.path; stdlib: the running Python's own "
-        "source code, a text corpus on every machine",
+        description="digits, diabetes (bundled with scikit-learn), synthetic; clicks "
+        "(generated click logs for recommendation); parquet or csv tables and text "
+        "files under data.path; stdlib: the running Python's own source code, a text "
+        "corpus on every machine",
     )
     path: str = Field(
         "data/incoming",
@@ -86,7 +88,11 @@ class DataConfig(Section):
     synthetic_shape: list[int] = Field([64], min_length=1, description="feature shape")
     synthetic_classes: int = Field(10, ge=2)
     synthetic_noise: float = Field(1.0, ge=0.0)
-    seed: Seed = Field(0, description="seeds the synthetic source")
+    # Generated click logs (source clicks): impressions, users, items (ids < 2**24).
+    clicks_rows: int = Field(200_000, ge=1, description="clicks: impressions generated")
+    clicks_users: int = Field(5000, ge=1, le=2**24, description="clicks: distinct users")
+    clicks_items: int = Field(2000, ge=2, le=2**24, description="clicks: distinct items")
+    seed: Seed = Field(0, description="seeds the synthetic and clicks sources")
     # Text sources (text, stdlib) only.
     text_glob: str = Field("*.txt", min_length=1, description="text: which files to read")
     max_bytes: int | None = Field(

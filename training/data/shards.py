@@ -18,7 +18,6 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from training.atomic import atomic_dir, write_json
-from training.data.options import ShardConfig
 from training.data.manifest import (
     MANIFEST,
     MANIFEST_VERSION,
@@ -27,6 +26,7 @@ from training.data.manifest import (
     file_sha256,
     split_codes,
 )
+from training.data.options import ShardConfig
 from training.data.sources import FEATURES, LABEL, ROW_KEY, RawLayout
 from training.data.text import is_text_snapshot
 from training.data.tokens import write_token_shards
@@ -85,6 +85,39 @@ def _train_statistics(
         features.add(flat.reshape(-1, layout.width))
     if labels is not None:
         labels.add(table.column(LABEL).to_numpy().reshape(-1, 1))
+
+
+class IdCounts:
+    """Distinct ids and the largest id of each id column, over every row: what sizes the
+    embedding tables (training.data.spec). Ids are below 2**24, so one bitmap of seen ids
+    per column (16 MB) counts them exactly in one streaming pass."""
+
+    ID_LIMIT = 1 << 24
+
+    def __init__(self, columns: int) -> None:
+        self.seen = [np.zeros(self.ID_LIMIT, dtype=bool) for _ in range(columns)]
+
+    def add(self, table: pa.Table, layout: RawLayout) -> None:
+        if not self.seen or not table.num_rows:
+            return
+        flat = table.column(FEATURES).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        ids = flat.reshape(-1, layout.width)[:, : len(self.seen)].astype(np.int64)
+        if ids.min() < 0 or ids.max() >= self.ID_LIMIT:
+            raise DataError(
+                f"id columns {list(layout.categorical_columns)} hold values outside "
+                f"0..2**24-1; ids are codes from ingest (re-run the ingest stage)"
+            )
+        for column, seen in enumerate(self.seen):
+            seen[ids[:, column]] = True
+
+    def result(self, layout: RawLayout) -> dict[str, Any] | None:
+        if not self.seen:
+            return None
+        return {
+            "columns": list(layout.categorical_columns),
+            "distinct": [int(seen.sum()) for seen in self.seen],
+            "bound": [int(np.flatnonzero(seen)[-1]) + 1 if seen.any() else 0 for seen in self.seen],
+        }
 
 
 def _raw_files(raw_dir: Path) -> list[Path]:
@@ -148,6 +181,7 @@ def write_shards(
     # Tables are standardized inside the model; images are left as they are.
     feature_moments = RunningMoments() if kind == "table" else None
     label_moments = RunningMoments() if layout.label_type == "float32" else None
+    id_counts = IdCounts(len(layout.categorical_columns))
     target = max(1, int(cfg.target_shard_mb * 2**20))
     rows_in = sum(pq.ParquetFile(path).metadata.num_rows for path in files)
     ensure_room_for_shards(out_dir, files)
@@ -157,6 +191,7 @@ def write_shards(
         for path in files:
             for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
                 table = pa.Table.from_batches([batch], schema=schema)
+                id_counts.add(table, layout)
                 keys = table.column(ROW_KEY).to_numpy()
                 codes = split_codes(keys, cfg.val_fraction, cfg.test_fraction)
                 for code, writer in enumerate(writers):
@@ -182,6 +217,7 @@ def write_shards(
             "num_classes": layout.num_classes,
             "label_type": layout.label_type,
             "feature_names": list(layout.feature_names) if layout.feature_names else None,
+            "categorical": id_counts.result(layout),
             "feature_stats": _stats(feature_moments),
             "label_stats": _stats(label_moments, scalar=True),
             "splits": {w.name: {"rows": w.rows, "shards": w.shards} for w in writers},

@@ -22,7 +22,8 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from training.data.options import USER_TABLE_SOURCES, DataConfig, LabelKind
+from training.data import clicks
+from training.data.options import DataConfig, LabelKind
 from training.errors import DataError
 
 ROW_KEY = "row_id"
@@ -33,6 +34,7 @@ META_SHAPE = b"gradline.feature_shape"
 META_CLASSES = b"gradline.num_classes"
 META_LABEL_TYPE = b"gradline.label_type"
 META_FEATURE_NAMES = b"gradline.feature_names"
+META_CATEGORICAL = b"gradline.categorical_columns"
 # The label column's type by what it holds (the task says): classes are whole numbers,
 # values (regression targets) are floats.
 LABEL_TYPES: dict[LabelKind, str] = {"classes": "int64", "values": "float32"}
@@ -59,6 +61,8 @@ class RawLayout:
     label_type: str  # "int64" (classes) or "float32" (regression targets)
     num_classes: int | None  # classification only
     feature_names: tuple[str, ...] | None = None  # tables built from named numeric columns
+    # The leading features that hold id codes (training.data.spec), in order; () if none.
+    categorical_columns: tuple[str, ...] = ()
 
     def schema(self) -> pa.Schema:
         """The normalized table every stage after ingest reads."""
@@ -75,6 +79,7 @@ class RawLayout:
                 META_CLASSES: json.dumps(self.num_classes).encode(),
                 META_LABEL_TYPE: self.label_type.encode(),
                 META_FEATURE_NAMES: json.dumps(names).encode(),
+                META_CATEGORICAL: json.dumps(list(self.categorical_columns)).encode(),
             },
         )
 
@@ -99,6 +104,7 @@ class RawLayout:
             label_type=meta.get(META_LABEL_TYPE, b"int64").decode(),
             num_classes=json.loads(meta[META_CLASSES]),
             feature_names=tuple(names) if names is not None else None,
+            categorical_columns=tuple(json.loads(meta.get(META_CATEGORICAL, b"[]"))),
         )
 
 
@@ -174,10 +180,21 @@ def synthetic_chunks(cfg: DataConfig, labels: LabelKind) -> Iterator[SourceChunk
         )
 
 
+def clicks_chunks(cfg: DataConfig, labels: LabelKind) -> Iterator[SourceChunk]:
+    """Generated click logs with power-law users and items and a planted click model
+    (training.data.clicks): id columns user_id, item_id, category, then dense ones."""
+    layout = RawLayout("clicks", (len(clicks.COLUMNS),), "int64", 2, clicks.COLUMNS,
+                       clicks.ID_COLUMNS)  # fmt: skip
+    for first, features, clicked in clicks.click_batches(cfg):
+        keys = np.arange(first, first + len(clicked), dtype=np.uint64)
+        yield SourceChunk("clicks", first, to_table(keys, features, clicked, layout))
+
+
 BUILTIN_SOURCES: dict[str, Callable[[DataConfig, LabelKind], Iterator[SourceChunk]]] = {
     "digits": digits_chunks,
     "diabetes": diabetes_chunks,
     "synthetic": synthetic_chunks,
+    "clicks": clicks_chunks,
 }
 
 

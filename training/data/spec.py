@@ -31,6 +31,13 @@ class DataSpec:
     label_std: float | None = None
     feature_names: tuple[str, ...] | None = None  # table: the source's column names
     tokenizer: str | None = None  # tokens: sha256 of the tokenizer that made them
+    # Tables with categorical features (recommendation): the first
+    # len(categorical_columns) features are integer id codes (< 2**24, exact in float32),
+    # the rest dense values. Per id column, from all rows at the shard stage: how many
+    # distinct ids it holds and one more than its largest id (what sizes the tables).
+    categorical_columns: tuple[str, ...] = ()
+    categorical_distinct: tuple[int, ...] = ()
+    categorical_bound: tuple[int, ...] = ()
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> DataSpec:
@@ -43,6 +50,7 @@ class DataSpec:
         features = manifest.get("feature_stats") or {}
         labels = manifest.get("label_stats") or {}
         names = manifest.get("feature_names")
+        categorical = manifest.get("categorical") or {}
         return cls(
             kind=kind,
             feature_shape=shape,
@@ -52,7 +60,43 @@ class DataSpec:
             label_mean=labels.get("mean"),
             label_std=labels.get("std"),
             feature_names=tuple(names) if names else None,
+            categorical_columns=tuple(categorical.get("columns", ())),
+            categorical_distinct=tuple(int(n) for n in categorical.get("distinct", ())),
+            categorical_bound=tuple(int(n) for n in categorical.get("bound", ())),
         )
+
+    @property
+    def num_categorical(self) -> int:
+        """Leading feature columns that hold id codes (0: every feature is dense)."""
+        return len(self.categorical_columns)
+
+    @property
+    def num_dense(self) -> int:
+        return math.prod(self.feature_shape) - self.num_categorical if self.feature_shape else 0
+
+    def default_table_rows(self) -> tuple[int, ...]:
+        """Rows of each id column's embedding table when model.table_rows is not set.
+
+        Ids numbered densely by their source (the largest below a few times the distinct
+        count) get a row each. Hashed codes (BLAKE2b, 24 bits, spread over 16M values)
+        are folded by remainder into 4x their distinct count: about 1 - e^-1/4 = 22% of
+        ids then share a row with another, the usual price of the hashing trick, and the
+        table stays proportional to what the data holds."""
+        return tuple(
+            max(1, min(bound, 4 * distinct))
+            for distinct, bound in zip(
+                self.categorical_distinct, self.categorical_bound, strict=True
+            )
+        )
+
+    def feature_scaling(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """(mean, std) that standardize a table's features inside the model: the train
+        split's statistics for dense features, (0, 1) for id codes, which must reach the
+        embedding tables unchanged. None when the manifest has no statistics."""
+        if self.feature_mean is None or self.feature_std is None:
+            return None
+        k = self.num_categorical
+        return (0.0,) * k + self.feature_mean[k:], (1.0,) * k + self.feature_std[k:]
 
     @property
     def column_names(self) -> list[str]:
@@ -74,6 +118,9 @@ class DataSpec:
         rows = rng.standard_normal((batch, *self.feature_shape))
         if self.kind == "table" and self.feature_mean is not None:
             rows = rows * np.asarray(self.feature_std) + np.asarray(self.feature_mean)
+        if self.num_categorical:  # ids: whole numbers the data holds
+            bounds = self.categorical_bound or (1,) * self.num_categorical
+            rows[:, : self.num_categorical] = rng.integers(0, bounds, (batch, len(bounds)))
         return rows.astype(np.float32)
 
     def to_dict(self) -> dict[str, Any]:
@@ -81,7 +128,15 @@ class DataSpec:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DataSpec:
-        tuples = ("feature_shape", "feature_mean", "feature_std", "feature_names")
+        tuples = (
+            "feature_shape",
+            "feature_mean",
+            "feature_std",
+            "feature_names",
+            "categorical_columns",
+            "categorical_distinct",
+            "categorical_bound",
+        )
         fixed = {k: tuple(v) if k in tuples and v is not None else v for k, v in values.items()}
         return cls(**fixed)
 
@@ -101,6 +156,11 @@ def incompatibility(trained: DataSpec, trained_task: str, now: DataSpec, task: s
         return (
             f"it takes features of shape {list(trained.feature_shape)}, the data now has "
             f"{list(now.feature_shape)}{change}"
+        )
+    if trained.categorical_columns != now.categorical_columns:
+        return (
+            f"it takes id columns {list(trained.categorical_columns)}, the data now has "
+            f"{list(now.categorical_columns)}"
         )
     if trained.num_classes != now.num_classes:
         return f"it predicts {trained.num_classes} classes, the data now has {now.num_classes}"

@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from training.data.options import USER_TABLE_SOURCES, DataConfig, LabelKind
 from training.data.hashing import content_keys, keys_from_column
+from training.data.options import USER_TABLE_SOURCES, DataConfig, LabelKind
 from training.data.sources import (
     BUILTIN_SOURCES,
     FEATURES,
@@ -188,6 +188,7 @@ class Validator:
                 "checked against 0..num_classes-1 (or set task.type: regression)"
             )
         self.feature_names: tuple[str, ...] | None = None
+        self.categorical_columns: tuple[str, ...] = ()
         self.report = ValidationReport()
         self._seen: set[int] = set()
         self._first_plan: tuple[str, ColumnPlan] | None = None
@@ -203,6 +204,7 @@ class Validator:
             self.label_type,
             self.num_classes,
             self.feature_names,
+            self.categorical_columns,
         )
 
     # ---- file level -------------------------------------------------------------------
@@ -217,6 +219,7 @@ class Validator:
             )
         self.shape, self.num_classes = layout.feature_shape, layout.num_classes
         self.feature_names = layout.feature_names
+        self.categorical_columns = layout.categorical_columns
         return ColumnPlan(LABEL, ROW_KEY, None, FEATURES)
 
     def plan(self, origin: str, schema: pa.Schema) -> ColumnPlan:

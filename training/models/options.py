@@ -51,6 +51,32 @@ class GPTOptions(Section):
         return self
 
 
+class DLRMOptions(Section):
+    embedding_dim: int = Field(16, ge=1, le=1024, description="width of every embedding row")
+    table_rows: int | list[int] | None = Field(
+        None,
+        description="rows of each id column's table (ids hashed in by remainder): one "
+        "number for every table (capped at the column's id range), a list with one per "
+        "data.categorical_columns entry, or null to size them from the data's distinct "
+        "counts",
+    )
+    bottom: list[int] = Field(
+        [64], description="hidden widths of the MLP from dense features to embedding_dim"
+    )
+    top: list[int] = Field(
+        [64, 32], description="hidden widths of the MLP from the interactions to the logit"
+    )
+
+    @model_validator(mode="after")
+    def _positive_sizes(self) -> DLRMOptions:
+        rows = self.table_rows if isinstance(self.table_rows, list) else [self.table_rows or 1]
+        if min(rows or [0]) < 1:
+            raise ValueError(f"model.table_rows needs sizes >= 1 (got {self.table_rows!r})")
+        if any(w < 1 for w in self.bottom + self.top):
+            raise ValueError("model.bottom and model.top need widths >= 1")
+        return self
+
+
 @dataclass(frozen=True)
 class Builtin:
     options: type[Section]
@@ -63,6 +89,8 @@ BUILTINS: dict[str, Builtin] = {
     "cnn": Builtin(CNNOptions, ("image",)),
     # Blocks to shard by columns and rows (tp) and to cut into pipeline stages (pp).
     "gpt": Builtin(GPTOptions, ("tokens",), frozenset({"tp", "pp"})),
+    # Tables whose leading features are id codes (data.categorical_columns, clicks).
+    "dlrm": Builtin(DLRMOptions, ("table",)),
 }
 
 
@@ -103,7 +131,7 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    name: str | None = Field("mlp", description="a built-in: mlp, cnn, gpt")
+    name: str | None = Field("mlp", description="a built-in: mlp, cnn, gpt, dlrm")
     target: str | None = Field(
         None,
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",

@@ -19,12 +19,44 @@ from torch import nn
 from training.data.spec import DataSpec
 from training.errors import ConfigError
 from training.models.cnn import ResNet
+from training.models.dlrm import DLRM
 from training.models.gpt import GPT
 from training.models.mlp import MLP
-from training.models.options import BUILTINS, ModelConfig, builtin, parse_model_options
+from training.models.options import (
+    BUILTINS,
+    DLRMOptions,
+    ModelConfig,
+    builtin,
+    parse_model_options,
+)
 from training.models.standardize import Standardized
 from training.models.user import build_user_model
 from training.objectives import objective_for, tasks_learning
+
+
+def table_rows(options: DLRMOptions, data: DataSpec) -> tuple[int, ...]:
+    """Rows of each id column's embedding table: model.table_rows, else sized from the
+    data (DataSpec.default_table_rows); ConfigError when they do not match the data."""
+    if not data.num_categorical:
+        raise ConfigError(
+            "model dlrm needs id columns, but the data has none: set "
+            "data.categorical_columns to the columns holding ids (user, item, ...) or "
+            "use data.source: clicks"
+        )
+    rows = options.table_rows
+    if rows is None:
+        return data.default_table_rows()
+    if isinstance(rows, int):
+        bounds = data.categorical_bound or (rows,) * data.num_categorical
+        return tuple(min(rows, max(1, bound)) for bound in bounds)
+    if len(rows) != data.num_categorical:
+        raise ConfigError(
+            f"model.table_rows lists {len(rows)} sizes, but the data has "
+            f"{data.num_categorical} id columns ({', '.join(data.categorical_columns)}); "
+            "give one size per column in that order, or one number for all"
+        )
+    return tuple(rows)
+
 
 # How each built-in is built from (its options, the data, the output size).
 BUILDERS: dict[str, Callable[[Any, DataSpec, int], nn.Module]] = {
@@ -52,6 +84,14 @@ BUILDERS: dict[str, Callable[[Any, DataSpec, int], nn.Module]] = {
         context=o.context,
         dropout=o.dropout,
         tied_embeddings=o.tied_embeddings,
+    ),
+    "dlrm": lambda o, data, out: DLRM(
+        table_rows(o, data),
+        data.num_dense,
+        out,
+        embedding_dim=o.embedding_dim,
+        bottom=o.bottom,
+        top=o.top,
     ),
 }
 # In words, for error messages: what each kind of data is.
@@ -115,14 +155,15 @@ def build_model(model_cfg: ModelConfig, task: str, data: DataSpec) -> nn.Module:
         model = build_user_model(model_cfg.target, model_cfg.options, task, data, size)
     else:
         model = _build_builtin(model_cfg, task, data, size)
-    scale_features = data.kind == "table" and data.feature_mean is not None
+    # Dense features are standardized; id codes pass unchanged (feature_scaling).
+    scaling = data.feature_scaling() if data.kind == "table" else None
     labels = objective.label_scaling()
-    if not scale_features and labels is None:
+    if scaling is None and labels is None:
         return model
     return Standardized(
         model,
-        feature_mean=data.feature_mean if scale_features else None,
-        feature_std=data.feature_std if scale_features else None,
+        feature_mean=scaling[0] if scaling else None,
+        feature_std=scaling[1] if scaling else None,
         label_mean=labels[0] if labels else None,
         label_std=labels[1] if labels else None,
     )

@@ -83,6 +83,15 @@ TASKS: dict[str, TaskCard] = {
                 ("bits_per_byte", False),
             ),
         ),
+        # Recommendation: 0/1 clicks from id and dense features (objectives/click.py).
+        # recall@10 / ndcg@10 are evaluate-only (not additive), so not listed here.
+        TaskCard(
+            "click", "click", ("table",), "classes", "test_auc", higher_is_better=True,
+            metrics=(
+                ("auc", True), ("log_loss", False), ("normalized_entropy", False),
+                ("loss", False),
+            ),
+        ),
     )
 }  # fmt: skip
 
@@ -119,8 +128,8 @@ class TaskConfig(Section):
 
     type: Literal[tuple(TASKS)] = Field(  # type: ignore[valid-type]
         "classification",
-        description="classification (integer labels), regression (float labels) or "
-        "language_modeling (text sources)",
+        description="classification (integer labels), regression (float labels), "
+        "language_modeling (text sources) or click (0/1 clicks on ids, recommendation)",
     )
 
     @property
