@@ -39,6 +39,9 @@ LAYOUTS = {
     "row4": (4, {"embedding_sharding": "row"}),
     "table2": (2, {"embedding_sharding": "table"}),
 }
+# A kill at step 12 must find step 8's checkpoint complete: these steps take
+# milliseconds, so an asynchronous save could still be in flight.
+SYNC_SAVES = {"async_checkpoint": False}
 # Losses agree to a relative 1e-5 at every step, weights to an absolute 1e-5: the rows'
 # gradients are summed in another order (arriving from N ranks), nothing else differs.
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
@@ -51,13 +54,15 @@ def click_shards(tmp_path_factory) -> Path:
 
     cfg = Config.model_validate(CLICK_JOB)
     root = tmp_path_factory.mktemp("clicks")
-    ingest(cfg.data, root, root / "raw", root / "quarantine", root / "report.json", labels="classes")
+    ingest(
+        cfg.data, root, root / "raw", root / "quarantine", root / "report.json", labels="classes"
+    )
     write_shards(cfg.shard, root / "raw", root / "shards", "v1")
     return root / "shards"
 
 
 def _config(world: int, parallel: dict, **sections) -> Config:
-    runtime = {**CLICK_JOB["runtime"], "procs_per_node": world}
+    runtime = {**CLICK_JOB["runtime"], "procs_per_node": world, **sections.pop("runtime", {})}
     return Config.model_validate(
         {**CLICK_JOB, "runtime": runtime, "parallel": parallel, **sections}
     )
@@ -143,7 +148,9 @@ def test_a_sharded_checkpoint_resumes_on_1_and_4_ranks(
     original = tmp_path / "row4"
     run_id = client(uri).create_run(experiment).info.run_id
     with pytest.raises(TrainingFailed):
-        _run(click_shards, original, _config(*LAYOUTS["row2"]), tracking, run_id)
+        _run(
+            click_shards, original, _config(*LAYOUTS["row2"], runtime=SYNC_SAVES), tracking, run_id
+        )
     monkeypatch.delenv("GRADLINE_FAULT")
     assert sorted(p.name for p in (original / "ckpt").glob("step-*")) == ["step-00000008"]
     resumes = {original: (4, {"embedding_sharding": "row"}, run_id)}
@@ -164,7 +171,7 @@ def test_killed_rank_restarts_and_ends_bitwise_identical(
     and the job ends with exactly the weights of the uninterrupted row-wise job."""
     _, expected, _ = finished("row2")
     monkeypatch.setenv("GRADLINE_FAULT", "kill:rank=1:step=12:attempt=0")
-    cfg = _config(*LAYOUTS["row2"])
+    cfg = _config(*LAYOUTS["row2"], runtime=SYNC_SAVES)
     assert cfg.train.deterministic
     _run(click_shards, tmp_path, cfg, tracking, restarts=1)
     assert_resumed(tmp_path / "ckpt", Resumed(8, written_by=2, resumed_by=2))

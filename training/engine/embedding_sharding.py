@@ -205,9 +205,7 @@ class Exchange:
         started = time.perf_counter()
         dist.all_to_all_single(out, tensor, receive, send, group=self.group)
         self.log.spans.append((started, time.perf_counter()))
-        row_bytes = (
-            tensor[0].numel() * tensor.element_size() if tensor.dim() > 1 else tensor.element_size()
-        )
+        row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()  # may be empty
         self.log.bytes_sent += (sum(send) - send[self.rank]) * row_bytes
         return out
 
