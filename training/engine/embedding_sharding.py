@@ -419,12 +419,13 @@ class EmbeddingParallel(DataParallel):
             for t, r in enumerate(whole.rows)
         }
         self.row_blocks = rows if mode == "row" else {}
+        self.last_exchange = ExchangeLog()  # the latest step's all-to-alls (benchmarks)
 
     def forward_backward(self, inputs: StepInputs) -> StepResult:
         self.tables.exchange.log.take()  # a fresh log for this step
         result = super().forward_backward(inputs)
         ended = time.perf_counter()
-        log = self.tables.exchange.log.take()
+        log = self.last_exchange = self.tables.exchange.log.take()
         # DDP's exposed wait is the window from its last bucket to the end of backward;
         # a backward all-to-all inside that window is already in it.
         window = log.seconds_within(ended - result.sync_wait, ended)
