@@ -16,6 +16,10 @@ from training.models.embedding_tables import EmbeddingTables
 from training.models.registry import build_model, check_buildable
 from training.models.standardize import Standardized
 
+from . import test_models
+
+tracking = test_models.tracking  # the MLflow store fixture, for the logged model's test
+
 # Three id columns (user, item, category) then two dense features.
 CLICK_DATA = DataSpec(
     "table",
@@ -249,7 +253,7 @@ def test_click_metrics_match_scikit_learn():
     metrics = objective.metrics(objective.batch_stats(output, target), "test")
     p = torch.sigmoid(output[:, 0]).double().numpy()
     y = target.numpy()
-    # Histograms of 4096 bins: pairs within one bin count one half.
+    # Histograms of 2048 bins: pairs within one bin count one half.
     assert metrics["test_auc"] == pytest.approx(roc_auc_score(y, p), abs=2e-4)
     assert metrics["test_log_loss"] == pytest.approx(log_loss(y, p), rel=1e-5)
     assert metrics["test_loss"] == metrics["test_log_loss"]
@@ -346,3 +350,215 @@ def test_click_baselines_popularity_and_hashed_lr():
     assert got["baseline_test_auc"] == got["lr_baseline_test_auc"]
     assert 0 < got["baseline_test_ndcg_at_10"] <= 1
     assert 0 < got["popularity_baseline_test_recall_at_10"] <= 1
+
+
+# --- the example, end to end -------------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_clicks_dlrm_example_beats_both_baselines_and_serves_raw_ids(tmp_path):
+    import pandas as pd
+
+    from training.data.clicks import COLUMNS
+
+    from .conftest import _client
+    from .test_e2e import _example_project, _pyfunc
+
+    project, run_id = _example_project(
+        tmp_path, "clicks-dlrm", "data.clicks_rows=100000", "train.epochs=1"
+    )
+    metrics = _client(project).get_run(run_id).data.metrics
+    for name in ("auc", "log_loss", "normalized_entropy", "recall_at_10", "ndcg_at_10"):
+        assert f"test_{name}" in metrics and f"baseline_test_{name}" in metrics
+    stronger = max(metrics["lr_baseline_test_auc"], metrics["popularity_baseline_test_auc"])
+    assert metrics["baseline_test_auc"] == stronger
+    assert metrics["test_auc"] > stronger + 0.01
+    assert metrics["test_normalized_entropy"] < 1.0
+    # The registered model scores rows of ids and dense features by column name.
+    x, _ = clicks_rows(clicks_rows=50, clicks_users=2000, clicks_items=1000)
+    rows = pd.DataFrame(x.astype(np.float64), columns=list(COLUMNS))
+    scores = np.asarray(_pyfunc(project, "gradline-clicks-dlrm").predict(rows)).ravel()
+    assert scores.shape == (50,) and ((scores > 0) & (scores < 1)).all()
+    assert 0.02 < scores.mean() < 0.3
+
+
+# --- categorical columns of a user's table -------------------------------------------------
+
+
+def test_id_codes_are_stable_24_bit_and_type_independent():
+    import hashlib
+
+    import pyarrow as pa
+
+    from training.data.categorical import id_codes
+
+    codes = id_codes(pa.array(["alice", "bob", "alice", None]))
+    expected = int.from_bytes(hashlib.blake2b(b"alice", digest_size=3).digest(), "big")
+    assert codes[0] == codes[2] == expected and codes[0] != codes[1]
+    assert np.isnan(codes[3])
+    # A whole number is one id whatever its type: Parquet int, float, CSV text.
+    as_int = id_codes(pa.array([12, 7], pa.int64()))
+    assert np.array_equal(as_int, id_codes(pa.array([12.0, 7.0])))
+    assert np.array_equal(as_int, id_codes(pa.array(["12", "7"])))
+    assert id_codes(pa.array([1.5]))[0] == id_codes(pa.array(["1.5"]))[0]
+    big = id_codes(pa.array([f"user-{i}" for i in range(5000)]))
+    assert big.dtype == np.float32 and big.max() < 2**24 and (big == np.round(big)).all()
+    assert len(np.unique(big)) >= 4995  # collisions: about n^2 / 2^25
+
+
+def write_click_table(path: Path, n: int, seed: int) -> None:
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    users = np.array([f"u{i:03d}" for i in range(40)])
+    frame = pd.DataFrame(
+        {
+            "user": users[rng.integers(0, 40, n)],
+            "sku": rng.integers(1000, 1030, n),
+            "price": rng.uniform(1, 50, n).round(2),
+            "clicked": rng.integers(0, 2, n),
+        }
+    )
+    if path.suffix == ".csv":
+        frame.to_csv(path, index=False)
+    else:
+        frame.to_parquet(path)
+
+
+def ingest_table(root: Path, source: str, **overrides):
+    from training.data.ingest import ingest
+    from training.data.options import DataConfig, ShardConfig
+    from training.data.shards import write_shards
+
+    settings = {
+        "source": source,
+        "path": "incoming",
+        "label_column": "clicked",
+        "num_classes": 2,
+        "categorical_columns": ["user", "sku"],
+        **overrides,
+    }
+    cfg = DataConfig(**settings)
+    ingest(cfg, root, root / "raw", root / "quarantine", root / "report.json", labels="classes")
+    return write_shards(ShardConfig(), root / "raw", root / "shards", "v1")
+
+
+def test_csv_and_parquet_id_columns_hash_alike_across_files(tmp_path):
+    from training.data.categorical import id_codes
+    from training.data.loader import open_reader
+
+    codes = {}
+    for source in ("csv", "parquet"):
+        root = tmp_path / source
+        (root / "incoming").mkdir(parents=True)
+        write_click_table(root / "incoming" / f"a.{source}", 300, seed=1)
+        write_click_table(root / "incoming" / f"b.{source}", 300, seed=2)
+        manifest = ingest_table(root, source)
+        spec = DataSpec.from_manifest(manifest)
+        assert spec.categorical_columns == ("user", "sku") and spec.categorical_hashed
+        assert spec.feature_names == ("user", "sku", "price")
+        assert spec.categorical_distinct == (40, 30)
+        assert spec.default_table_rows() == (160, 120)  # hashed: 4 rows per distinct id
+        x = np.concatenate(
+            [open_reader(root / "shards", manifest, s).gather(
+                np.arange(manifest["splits"][s]["rows"]))[0] for s in ("train", "val", "test")]
+        )  # fmt: skip
+        codes[source] = (set(x[:, 0].tolist()), set(x[:, 1].tolist()))
+    import pyarrow as pa
+
+    users = set(id_codes(pa.array([f"u{i:03d}" for i in range(40)])).tolist())
+    skus = set(id_codes(pa.array(list(range(1000, 1030)))).tolist())
+    # "u007" in a CSV and in a Parquet file, 1012 as CSV text and as a Parquet int64:
+    # one code each, the same in both files of each format.
+    assert codes["csv"] == codes["parquet"] == (users, skus)
+
+
+def test_missing_categorical_column_is_named(tmp_path):
+    from training.errors import DataError
+
+    (tmp_path / "incoming").mkdir()
+    write_click_table(tmp_path / "incoming" / "a.csv", 50, seed=1)
+    with pytest.raises(DataError, match=r"missing column\(s\) 'item'.*categorical_columns"):
+        ingest_table(tmp_path, "csv", categorical_columns=["user", "item"])
+
+
+def test_categorical_columns_need_named_columns():
+    from pydantic import ValidationError
+
+    from training.data.options import DataConfig
+
+    with pytest.raises(ValidationError, match="categorical_columns needs features from named"):
+        DataConfig(categorical_columns=["user"], tensor_column="pixels")
+
+
+def test_registered_model_hashes_raw_ids_like_ingest(tmp_path):
+    import pandas as pd
+
+    from training.data.loader import open_reader
+    from training.objectives import objective_for
+
+    (tmp_path / "incoming").mkdir()
+    write_click_table(tmp_path / "incoming" / "a.parquet", 200, seed=3)
+    manifest = ingest_table(tmp_path, "parquet")
+    spec = DataSpec.from_manifest(manifest)
+    frame = pd.read_parquet(tmp_path / "incoming" / "a.parquet")
+    objective = objective_for("click", spec)
+    # Raw rows as a caller has them: user names, SKUs as strings (the signature's type).
+    raw = frame[["price", "user", "sku"]].astype({"sku": str})
+    rows = objective.features(raw)
+    reader = open_reader(tmp_path / "shards", manifest, "train")
+    ingested, _ = reader.gather(np.arange(reader.num_rows))
+    assert {tuple(r) for r in ingested.tolist()} <= {tuple(r) for r in rows.tolist()}
+    model = build_model(dlrm_cfg(), "click", spec)
+    scores = objective.serve(model, raw)
+    assert scores.shape == (200,) and ((scores > 0) & (scores < 1)).all()
+
+
+def test_new_rows_to_score_hash_raw_ids_like_ingest(tmp_path):
+    from training.data.loader import open_reader
+    from training.data.options import DataConfig
+    from training.data.score_input import InputOptions, NewRows
+
+    (tmp_path / "incoming").mkdir()
+    write_click_table(tmp_path / "incoming" / "a.csv", 200, seed=4)
+    manifest = ingest_table(tmp_path, "csv")
+    spec = DataSpec.from_manifest(manifest)
+    # The rows to score: the same table without its label, as `gradline score` reads it.
+    (tmp_path / "new").mkdir()
+    import pandas as pd
+
+    frame = pd.read_csv(tmp_path / "incoming" / "a.csv").drop(columns="clicked")
+    frame.to_csv(tmp_path / "new" / "rows.csv", index=False)
+    new = NewRows(tmp_path, InputOptions(path="new"), spec, DataConfig(source="csv"))
+    scored = np.concatenate([batch.features for batch in new.batches()])
+    reader = open_reader(tmp_path / "shards", manifest, "train")
+    ingested, _ = reader.gather(np.arange(reader.num_rows))
+    assert scored.shape == (200, 3)
+    assert {tuple(r) for r in ingested.tolist()} <= {tuple(r) for r in scored.tolist()}
+
+
+def test_logged_click_model_scores_raw_string_ids(tmp_path, tracking):
+    import pandas as pd
+    import pyarrow as pa
+
+    from training.data.categorical import id_codes
+
+    hashed = DataSpec(
+        "table", (3,), 2, feature_mean=(0.0, 0.0, 20.0), feature_std=(1.0, 1.0, 10.0),
+        feature_names=("user", "sku", "price"), categorical_columns=("user", "sku"),
+        categorical_distinct=(40, 30), categorical_bound=(2**24 - 5, 2**24 - 9),
+        categorical_hashed=True,
+    )  # fmt: skip
+    model, loaded, _ = test_models.log_and_load(tracking, tmp_path, dlrm_cfg(), "click", hashed)
+    types = [str(t) for t in loaded.metadata.signature.inputs.input_types()]
+    assert ["string" in t for t in types] == [True, True, False]
+    raw = pd.DataFrame({"user": ["u001", "u002", "zoe"], "sku": ["1012", "77", "x"],
+                        "price": [9.5, 20.0, 31.0]})  # fmt: skip
+    scores = np.asarray(loaded.predict(raw)).ravel()
+    codes = np.column_stack(
+        [id_codes(pa.array(raw.user)), id_codes(pa.array(raw.sku)), raw.price.to_numpy()]
+    ).astype(np.float32)
+    with torch.no_grad():
+        expected = torch.sigmoid(model(torch.from_numpy(codes))[:, 0]).numpy()
+    assert np.allclose(scores, expected, atol=1e-6)

@@ -62,6 +62,11 @@ class DataConfig(Section):
     feature_columns: list[str] | None = Field(
         None, description="numeric feature columns; null: every column but label and key"
     )
+    categorical_columns: list[str] | None = Field(
+        None,
+        description="columns of ids (users, items, ... of any type), hashed to 24-bit codes "
+        "at ingest; they come first among the features, before the numeric ones",
+    )
     tensor_column: str | None = Field(
         None, description="one fixed-shape list column holding all features instead"
     )
@@ -120,6 +125,12 @@ class DataConfig(Section):
                 "either from one list column or from several numeric columns"
             )
         shapes = [self.feature_shape or [1], self.synthetic_shape]
+        if self.categorical_columns is not None and self.tensor_column:
+            raise ValueError(
+                "data.categorical_columns needs features from named columns, not "
+                "data.tensor_column: list the id columns and (optionally) the numeric ones "
+                "in data.feature_columns"
+            )
         if any(d < 1 for shape in shapes for d in shape):
             raise ValueError("data.feature_shape and data.synthetic_shape need sizes >= 1")
         return self

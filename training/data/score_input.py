@@ -226,6 +226,10 @@ class NewRows:
                 "tensor_column": tensor,
                 "feature_shape": list(spec.feature_shape),
                 "key_column": key,
+                # Raw ids hashed as ingest hashed them (training.data.categorical).
+                "categorical_columns": (
+                    list(spec.categorical_columns) if spec.categorical_hashed else None
+                ),
             }
         )
         validator = Validator(cfg, labels=None)

@@ -26,7 +26,7 @@ from training.data.manifest import (
     file_sha256,
     split_codes,
 )
-from training.data.options import ShardConfig
+from training.data.options import USER_TABLE_SOURCES, ShardConfig
 from training.data.sources import FEATURES, LABEL, ROW_KEY, RawLayout
 from training.data.text import is_text_snapshot
 from training.data.tokens import write_token_shards
@@ -115,6 +115,9 @@ class IdCounts:
             return None
         return {
             "columns": list(layout.categorical_columns),
+            # A user's raw ids were hashed at ingest (the registered model hashes them
+            # too); a built-in source's ids are its own integers.
+            "hashed": layout.source in USER_TABLE_SOURCES,
             "distinct": [int(seen.sum()) for seen in self.seen],
             "bound": [int(np.flatnonzero(seen)[-1]) + 1 if seen.any() else 0 for seen in self.seen],
         }

@@ -350,6 +350,9 @@ def _csv_chunks(path: Path, shown: str, cfg: DataConfig) -> Iterator[SourceChunk
             if (pa.types.is_integer(f.type) or pa.types.is_null(f.type))
             and f.name != cfg.key_column
         }
+        # Ids are text as written ("007" stays "007"; training.data.categorical).
+        ids = [name for name in cfg.categorical_columns or () if name in names]
+        widen.update({name: pa.string() for name in ids})
         if widen:
             reader.close()
             reader = open_csv(widen)

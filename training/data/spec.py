@@ -38,6 +38,7 @@ class DataSpec:
     categorical_columns: tuple[str, ...] = ()
     categorical_distinct: tuple[int, ...] = ()
     categorical_bound: tuple[int, ...] = ()
+    categorical_hashed: bool = False  # raw values hashed at ingest (training.data.categorical)
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> DataSpec:
@@ -63,6 +64,7 @@ class DataSpec:
             categorical_columns=tuple(categorical.get("columns", ())),
             categorical_distinct=tuple(int(n) for n in categorical.get("distinct", ())),
             categorical_bound=tuple(int(n) for n in categorical.get("bound", ())),
+            categorical_hashed=bool(categorical.get("hashed", False)),
         )
 
     @property

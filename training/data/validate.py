@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from training.data.categorical import id_codes
 from training.data.hashing import content_keys, keys_from_column
 from training.data.options import USER_TABLE_SOURCES, DataConfig, LabelKind
 from training.data.sources import (
@@ -188,7 +189,10 @@ class Validator:
                 "checked against 0..num_classes-1 (or set task.type: regression)"
             )
         self.feature_names: tuple[str, ...] | None = None
-        self.categorical_columns: tuple[str, ...] = ()
+        # A user's id columns: hashed to codes and placed first among the features.
+        self.categorical_columns: tuple[str, ...] = (
+            () if self.builtin else tuple(cfg.categorical_columns or ())
+        )
         self.report = ValidationReport()
         self._seen: set[int] = set()
         self._first_plan: tuple[str, ColumnPlan] | None = None
@@ -240,12 +244,13 @@ class Validator:
             wanted.append(cfg.tensor_column)
         if cfg.feature_columns:
             wanted.extend(cfg.feature_columns)
-        missing = [c for c in wanted if c not in names]
+        ids = self.categorical_columns
+        missing = [c for c in wanted + list(ids) if c not in names]
         if missing:
             problems.append(
                 f"missing column(s) {_quoted(missing)}; the file has "
                 f"{', '.join(names)} (set data.label_column / data.feature_columns / "
-                "data.tensor_column / data.key_column to match)"
+                "data.categorical_columns / data.tensor_column / data.key_column to match)"
             )
         elif label and not _is_numeric(label_type := schema.field(label).type):
             problems.append(
@@ -266,12 +271,15 @@ class Validator:
                         "it must be a list of numbers"
                     )
         else:
-            features = tuple(cfg.feature_columns or [c for c in names if c not in used])
+            dense = tuple(cfg.feature_columns or [c for c in names if c not in used])
+            # Id columns first (the model's tables take the leading features), then the
+            # numeric ones; an id column listed among feature_columns too counts once.
+            features = ids + tuple(c for c in dense if c not in ids)
             used.update(features)
             wrong = [
                 f"{c} ({schema.field(c).type})"
                 for c in features
-                if c in names and not _is_numeric(schema.field(c).type)
+                if c in names and c not in ids and not _is_numeric(schema.field(c).type)
             ]
             if wrong:
                 problems.append(
@@ -281,7 +289,8 @@ class Validator:
                         ""
                         if cfg.feature_columns
                         else ", or list the features to use in "
-                        "data.feature_columns (other columns are then ignored)"
+                        "data.feature_columns (other columns are then ignored), or name "
+                        "columns of ids in data.categorical_columns"
                     )
                 )
             if not features:
@@ -331,9 +340,15 @@ class Validator:
                     null |= column.is_null().to_numpy(zero_copy_only=False)
             _mark(bad, reason, null, "null value")
             # An unsafe cast: integers beyond 2**24 round, as float32 must; overflow
-            # becomes Inf and is rejected as such below. Nulls become NaN.
+            # becomes Inf and is rejected as such below. Nulls become NaN. Id columns
+            # become their 24-bit codes (training.data.categorical).
             return np.column_stack(
-                [c.cast(pa.float32(), safe=False).to_numpy(zero_copy_only=False) for c in columns]
+                [
+                    id_codes(c)
+                    if name in self.categorical_columns
+                    else c.cast(pa.float32(), safe=False).to_numpy(zero_copy_only=False)
+                    for name, c in zip(plan.feature_columns, columns, strict=True)
+                ]
             )
         column = table.column(plan.tensor).combine_chunks()
         fixed = pa.types.is_fixed_size_list(column.type)
