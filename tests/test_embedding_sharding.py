@@ -315,3 +315,23 @@ def test_a_checkpoint_of_2_ranks_loads_on_1_and_4(mode, world, trained, referenc
             assert torch.equal(exp_avg, moments[t][start:end])
             seen[t] += end - start
     assert seen == list(ROWS)
+
+
+def test_the_sharded_example_sets_the_embedding_keys_and_others_put_them_back(
+    tmp_path,
+) -> None:
+    import shutil
+
+    from training.config import load_config
+    from training.examples import apply_example
+
+    params = tmp_path / "params.yaml"
+    shutil.copy(Path(__file__).resolve().parents[1] / "params.yaml", params)
+    sharded = apply_example(params, "clicks-dlrm-sharded")
+    assert sharded.parallel.embedding_sharding == "row"
+    assert sharded.parallel.embedding_budget_mb == 0.75
+    assert load_config(params) == sharded
+    back = apply_example(params, "digits-mlp")  # mlp has no tables: the keys go back
+    assert back.parallel.embedding_sharding == "none"
+    assert back.parallel.embedding_budget_mb == 0
+    assert back.parallel.dp_replicate == sharded.parallel.dp_replicate  # the mesh stays
