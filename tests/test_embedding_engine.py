@@ -2,9 +2,10 @@
 
 20 steps of the click task on generated click logs: 2 and 4 ranks, row- and table-wise,
 train what one rank trains; a job saved row-wise on 2 ranks resumes on 1 (unsharded) and
-on 4 (row- and table-wise); a rank killed mid-job restarts and ends bitwise identical;
-tables over a rank's budget fail before training unless sharded. Each test starts worker
-processes (one thread each) and has a timeout.
+on 4 (row- and table-wise); a job whose rank is killed, then whose launcher is told to
+stop (SIGTERM), resumes and ends bitwise identical; tables over a rank's budget fail
+before training unless sharded. Each test starts worker processes (one thread each) and
+has a timeout; the kill and stop tests save synchronously (SYNC_SAVES).
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ import pytest
 import torch
 
 from training.config import Config
-from training.engine.launch import TrainingCannotContinue, TrainingFailed, launch_workers
+from training.engine.launch import (
+    Preempted,
+    TrainingCannotContinue,
+    TrainingFailed,
+    launch_workers,
+)
 from training.mlops.tracking import client, ensure_experiment
 from training.models.folder import load_model_dir
 
 from .conftest import train_job
-from .resume_checks import Resumed, assert_resumed
+from .resume_checks import Resumed, assert_resumed, stopped_steps
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -164,17 +170,30 @@ def test_a_sharded_checkpoint_resumes_on_1_and_4_ranks(
         _assert_same_training(got, finished("single")[:2])
 
 
-def test_killed_rank_restarts_and_ends_bitwise_identical(
+def test_killed_then_preempted_job_ends_bitwise_identical(
     click_shards, tracking, finished, tmp_path, monkeypatch
 ) -> None:
-    """Deterministic mode (the default): a rank killed at step 12 restarts from step 8
-    and the job ends with exactly the weights of the uninterrupted row-wise job."""
+    """Deterministic mode (the default): rank 1 is killed at step 12 (the restart resumes
+    from step 8); on the restart the launcher gets SIGTERM at step 14 and the job stops
+    with a checkpoint; run again, it ends with exactly the weights of the uninterrupted
+    row-wise job, one loss per step in the same MLflow run."""
     _, expected, _ = finished("row2")
-    monkeypatch.setenv("GRADLINE_FAULT", "kill:rank=1:step=12:attempt=0")
+    monkeypatch.setenv(
+        "GRADLINE_FAULT", "kill:rank=1:step=12:attempt=0;term:rank=0:step=14:attempt=1"
+    )
     cfg = _config(*LAYOUTS["row2"], runtime=SYNC_SAVES)
     assert cfg.train.deterministic
-    _run(click_shards, tmp_path, cfg, tracking, restarts=1)
-    assert_resumed(tmp_path / "ckpt", Resumed(8, written_by=2, resumed_by=2))
+    uri, experiment = tracking
+    run_id = client(uri).create_run(experiment).info.run_id
+    with pytest.raises(Preempted) as stop:
+        _run(click_shards, tmp_path, cfg, tracking, run_id, restarts=1)
+    (stopped,) = stopped_steps(str(stop.value))
+    assert 14 <= stopped < 20
+    monkeypatch.delenv("GRADLINE_FAULT")
+    _run(click_shards, tmp_path, cfg, tracking, run_id)
+    resumed = [Resumed(8, written_by=2, resumed_by=2), Resumed(stopped, written_by=2, resumed_by=2)]
+    assert_resumed(tmp_path / "ckpt", *resumed)
+    assert len(_losses(tracking, run_id)) == CLICK_JOB["train"]["max_steps"]
     weights = _weights(tmp_path)
     assert weights.keys() == expected.keys()
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
