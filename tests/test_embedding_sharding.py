@@ -335,3 +335,29 @@ def test_the_sharded_example_sets_the_embedding_keys_and_others_put_them_back(
     assert back.parallel.embedding_sharding == "none"
     assert back.parallel.embedding_budget_mb == 0
     assert back.parallel.dp_replicate == sharded.parallel.dp_replicate  # the mesh stays
+
+
+def test_the_train_stage_refuses_tables_over_the_budget_before_any_worker() -> None:
+    """check_tables_fit (run_job calls it before workers start) on a dlrm: 3 x 10k rows
+    x 16 x 4 bytes x 3 (AdamW) = 5.5 MB; a 4 MB budget fits only when sharded."""
+    from training.engine.embedding_sharding import check_tables_fit
+    from training.models.dlrm import DLRM
+
+    model = DLRM([10_000] * 3, 2, 1, embedding_dim=16, bottom=[8], top=[8])
+
+    def cfg(**parallel) -> Config:
+        return Config.model_validate(
+            {
+                "data": {"source": "clicks"},
+                "task": {"type": "click"},
+                "model": {"name": "dlrm", "embedding_dim": 16},
+                "parallel": {"embedding_budget_mb": 4.0, **parallel},
+            }
+        )
+
+    with pytest.raises(ConfigError, match=r"need 5\.5 MB on every rank"):
+        check_tables_fit(model, cfg(), cfg().layout())
+    sharded = cfg(embedding_sharding="row")
+    check_tables_fit(model, sharded, sharded.layout())  # 2.7 MB on each of 2 ranks
+    fsdp = cfg(dp_shard=-1)  # FSDP shards the tables too: counted as evenly split
+    check_tables_fit(model, fsdp, fsdp.layout())

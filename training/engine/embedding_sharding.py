@@ -163,6 +163,21 @@ def check_budget(
         )
 
 
+def check_tables_fit(model: nn.Module, cfg: Config, mesh: dict[str, int]) -> None:
+    """`check_budget` for the model's tables (if any) laid out as `cfg` and the mesh say
+    (FSDP's dp_shard splits them as evenly as row sharding does). The train stage calls
+    it before any worker starts, each worker before its first step."""
+    found = find_tables(model)
+    if found is None:
+        return
+    tables, par = found[1], cfg.parallel
+    mode, ranks = par.embedding_sharding, mesh["dp_replicate"] * mesh["dp_shard"]
+    if mode == "none" and mesh["dp_shard"] > 1:
+        mode, ranks = "row", mesh["dp_shard"]
+    size = tables.tables[0].weight.element_size()
+    check_budget(tables.rows, tables.dim, size, cfg.optim, par.embedding_budget_mb, mode, ranks)
+
+
 # ---------------------------------------------------------------------------- lookup
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from torch import nn
 
 from training.config import Config
-from training.engine.embedding_sharding import EmbeddingParallel, check_budget, find_tables
+from training.engine.embedding_sharding import EmbeddingParallel, check_tables_fit
 from training.engine.layouts import Autocast, Pipelined, Sharded
 from training.engine.replicas import AsyncReplicas, DataParallel
 from training.engine.steps import Layout, LearningRate, LossFn
@@ -40,7 +40,7 @@ def parallelize(
     splits needs `topo.device_mesh` (Topology.with_device_mesh)."""
     if cfg.parallel.embedding_budget_mb or cfg.parallel.embedding_sharding != "none":
         model = build()
-        check_embedding_budget(model, cfg, topo)
+        check_tables_fit(model, cfg, topo.shape.as_dict())
         if cfg.parallel.embedding_sharding != "none":
             return EmbeddingParallel(model.to(topo.device), topo, cfg, loss_fn, autocast)
         build = lambda: model  # noqa: E731 (built once, laid out below as any model)
@@ -52,18 +52,3 @@ def parallelize(
     if topo.shape.pp > 1:
         return Pipelined(build, topo, cfg, loss_fn, autocast)
     return Sharded(build(), topo, cfg, loss_fn, autocast)
-
-
-def check_embedding_budget(model: nn.Module, cfg: Config, topo: Topology) -> None:
-    """Before training: the model's embedding tables (if any) fit a rank's
-    `parallel.embedding_budget_mb` as they will be laid out (FSDP's dp_shard splits
-    them as evenly as row sharding does)."""
-    found = find_tables(model)
-    if found is None:
-        return
-    tables, par = found[1], cfg.parallel
-    mode, ranks = par.embedding_sharding, topo.dp_size
-    if mode == "none" and topo.shape.dp_shard > 1:
-        mode, ranks = "row", topo.shape.dp_shard
-    size = tables.tables[0].weight.element_size()
-    check_budget(tables.rows, tables.dim, size, cfg.optim, par.embedding_budget_mb, mode, ranks)
