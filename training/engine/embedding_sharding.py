@@ -246,7 +246,8 @@ class _LookupOnOwners(torch.autograd.Function):
         # `anchor` only makes the output require grad on a rank that holds no table, so
         # that its backward runs (and joins the owners' all-to-all) like everyone's.
         table_of, row_of = requests[:, 0], requests[:, 1]
-        found = anchor.new_zeros((len(requests), anchor.shape[1]))
+        dtype = weights[0].dtype if weights else anchor.dtype
+        found = anchor.new_zeros((len(requests), anchor.shape[1]), dtype=dtype)
         picks = []
         for table, weight in zip(tables, weights, strict=True):
             at = (table_of == table).nonzero().squeeze(1)
@@ -317,7 +318,8 @@ class ShardedEmbeddingTables(nn.Module):
         send, receive = send_counts.tolist(), receive_counts.tolist()
         received = self.exchange(requests, send, receive)
         weights = [self.tables[t].weight for t in self.held]
-        anchor = self._sizes.new_empty((0, self.dim), dtype=torch.float32)
+        dtype = weights[0].dtype if weights else torch.get_default_dtype()
+        anchor = self._sizes.new_empty((0, self.dim), dtype=dtype)
         anchor.requires_grad_(torch.is_grad_enabled())
         found = _LookupOnOwners.apply(
             received, anchor, self.exchange, send, receive, self.held, self.grad_scale, *weights
