@@ -362,11 +362,15 @@ def test_clicks_dlrm_example_beats_both_baselines_and_serves_raw_ids(tmp_path):
 
     from training.data.clicks import COLUMNS
 
-    from .conftest import _client
+    from .conftest import _client, _gradline
     from .test_e2e import _example_project, _pyfunc
 
     project, run_id = _example_project(
-        tmp_path, "clicks-dlrm", "data.clicks_rows=100000", "train.epochs=1"
+        tmp_path,
+        "clicks-dlrm",
+        "data.clicks_rows=100000",
+        "train.epochs=1",
+        "evaluate.bootstrap_replicates=0",  # intervals are another test's subject
     )
     metrics = _client(project).get_run(run_id).data.metrics
     for name in ("auc", "log_loss", "normalized_entropy", "recall_at_10", "ndcg_at_10"):
@@ -381,6 +385,15 @@ def test_clicks_dlrm_example_beats_both_baselines_and_serves_raw_ids(tmp_path):
     scores = np.asarray(_pyfunc(project, "gradline-clicks-dlrm").predict(rows)).ravel()
     assert scores.shape == (50,) and ((scores > 0) & (scores < 1)).all()
     assert 0.02 < scores.mean() < 0.3
+    # `gradline score` on the same rows: the same probabilities, and a 0/1 decision.
+    (project / "data" / "new").mkdir(parents=True)
+    rows.assign(id=[f"r{i}" for i in range(50)]).to_parquet(project / "data" / "new" / "a.parquet")
+    proc = _gradline(project, "score")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = pd.read_parquet(project / "data" / "scores" / "predictions.parquet")
+    assert list(table.columns) == ["id", "prediction", "clicked"] and len(table) == 50
+    np.testing.assert_allclose(table["prediction"].to_numpy(), scores, atol=1e-6)
+    assert (table["clicked"] == (table["prediction"] > 0.5)).all()
 
 
 # --- categorical columns of a user's table -------------------------------------------------
@@ -562,3 +575,31 @@ def test_logged_click_model_scores_raw_string_ids(tmp_path, tracking):
     with torch.no_grad():
         expected = torch.sigmoid(model(torch.from_numpy(codes))[:, 0]).numpy()
     assert np.allclose(scores, expected, atol=1e-6)
+
+
+def test_wrong_table_rows_length_fails_at_config_validation():
+    from pydantic import ValidationError
+
+    from training.config.schema import Config
+
+    base = {"task": {"type": "click"}, "model": {"name": "dlrm", "table_rows": [10, 20]}}
+    with pytest.raises(ValidationError, match=r"table_rows lists 2 sizes.*3 id columns"):
+        Config(**base, data={"source": "clicks"})
+    csv = {"source": "csv", "num_classes": 2, "categorical_columns": ["user"]}
+    with pytest.raises(ValidationError, match=r"table_rows lists 2 sizes.*1 id columns \(user\)"):
+        Config(**base, data=csv)
+    Config(**base, data={**csv, "categorical_columns": ["user", "sku"]})
+
+
+def test_user_and_item_columns_are_found_by_name():
+    def found(*names: str) -> tuple[int | None, int]:
+        spec = DataSpec(
+            "table", (len(names),), 2, categorical_columns=names,
+            categorical_distinct=(1,) * len(names), categorical_bound=(1,) * len(names),
+        )  # fmt: skip
+        objective = click_objective(spec)
+        return objective.user_column, objective.item_column
+
+    assert found("user_id", "item_id") == (0, 1)
+    assert found("sku", "User") == (1, 0)
+    assert found("a", "b") == (None, 0)

@@ -25,6 +25,7 @@ from training.config.sections import (
     UpdateConfig,
 )
 from training.config.sweep import SweepConfig
+from training.data.clicks import ID_COLUMNS as CLICK_ID_COLUMNS
 from training.data.options import SOURCES, DataConfig, ShardConfig
 from training.errors import ConfigError
 from training.models.options import BUILTINS, ModelConfig, check_model_layout
@@ -74,7 +75,22 @@ class Config(Section):
             check_model_layout(
                 self.model.name, self.model.options, self.layout(), self.pipeline_stages()
             )
+            self._check_table_rows()
         return self
+
+    def _check_table_rows(self) -> None:
+        """A dlrm's per-column table sizes against the id columns the data will have
+        (checked again against the manifest when the model is built)."""
+        rows = self.model.options.get("table_rows")
+        if self.model.name != "dlrm" or not isinstance(rows, list):
+            return
+        ids = CLICK_ID_COLUMNS if self.data.source == "clicks" else self.data.categorical_columns
+        if ids is not None and len(rows) != len(ids):
+            raise ValueError(
+                f"model.table_rows lists {len(rows)} sizes, but the data has {len(ids)} id "
+                f"columns ({', '.join(ids)}); give one size per column in that order, or one "
+                "number for all"
+            )
 
     def _check_task_fits_source(self) -> None:
         card, name = self.task.card, self.data.source

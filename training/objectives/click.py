@@ -48,8 +48,11 @@ LR_HASH_BUCKETS = 1 << 16
 # Prior clicks of the popularity baseline: an item seen n times with c clicks scores
 # (c + PRIOR * base rate) / (n + PRIOR), so a rarely seen item stays near the base rate.
 POPULARITY_PRIOR = 20.0
-USER_COLUMN = "user_id"
-ITEM_COLUMN = "item_id"
+# Which id columns hold the user and the item, by name (case-insensitive, first match):
+# the user's rows are ranked for recall@K / NDCG@K, the item's click rates are the
+# popularity baseline (the first id column when none matches).
+USER_COLUMNS = ("user_id", "user", "userid", "customer_id", "customer")
+ITEM_COLUMNS = ("item_id", "item", "itemid", "product_id", "product", "sku")
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
@@ -160,14 +163,14 @@ class Objective(base.Objective):
 
     @property
     def user_column(self) -> int | None:
-        names = self.data.categorical_columns
-        return names.index(USER_COLUMN) if USER_COLUMN in names else None
+        """The user id's feature (USER_COLUMNS), or None: no ranking metrics."""
+        return _named(self.data.categorical_columns, USER_COLUMNS)
 
     @property
     def item_column(self) -> int:
-        """The item id's feature (named item_id, else the first id column)."""
-        names = self.data.categorical_columns
-        return names.index(ITEM_COLUMN) if ITEM_COLUMN in names else 0
+        """The item id's feature (ITEM_COLUMNS, else the first id column)."""
+        found = _named(self.data.categorical_columns, ITEM_COLUMNS)
+        return 0 if found is None else found
 
     def _users(self, reader: Reader, rows: np.ndarray, batch_size: int) -> np.ndarray:
         parts = [np.zeros(0, dtype=np.int64)]
@@ -329,6 +332,11 @@ class Objective(base.Objective):
         """`prediction`: the click probability, and `clicked`: whether it is above 1/2."""
         probability = self.predicted(output)
         return {"prediction": probability, "clicked": (probability > 0.5).astype(np.int64)}
+
+
+def _named(columns: tuple[str, ...], wanted: tuple[str, ...]) -> int | None:
+    lowered = [c.lower() for c in columns]
+    return next((lowered.index(name) for name in wanted if name in lowered), None)
 
 
 def _logit(p: np.ndarray) -> np.ndarray:
