@@ -17,6 +17,9 @@ from training.errors import ConfigError
 
 # Sections an example owns whole; `shard` keeps the user's split fractions.
 OWNED = ("data", "task", "model", "optim", "train", "update")
+# Keys of `parallel` an example owns: a sharded one sets them, every other puts them back
+# (they apply to a model with embedding tables only). The mesh stays the user's.
+EMBEDDING_KEYS = ("embedding_sharding", "embedding_budget_mb")
 
 EXAMPLES: dict[str, dict[str, Any]] = {
     "digits-mlp": {
@@ -98,6 +101,17 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     },
 }
 
+# The same workload as clicks-dlrm (so the same model and figures), its tables over one
+# rank's budget: unsharded they need 1.1 MB (weights + AdamW state) on every rank;
+# row-wise over runtime.procs_per_node=2 workers each holds 0.56 MB.
+EXAMPLES["clicks-dlrm-sharded"] = {
+    **EXAMPLES["clicks-dlrm"],
+    "about": "clicks-dlrm with tables over one rank's parallel.embedding_budget_mb: "
+    "trains only because they are sharded row-wise over the workers",
+    "parallel": {"embedding_sharding": "row", "embedding_budget_mb": 0.75},
+    "registry": {"model_name": "gradline-clicks-dlrm-sharded"},
+}
+
 
 def describe() -> str:
     width = max(map(len, EXAMPLES))
@@ -120,6 +134,8 @@ def example_changes(name: str) -> dict[str, dict[str, Any]]:
     for section in ("runtime", "registry"):
         if section in example:
             changes[section] = dict(example[section])
+    embedding = {key: defaults["parallel"][key] for key in EMBEDDING_KEYS}
+    changes["parallel"] = {**embedding, **example.get("parallel", {})}
     return changes
 
 

@@ -181,6 +181,7 @@ class Config(Section):
                 "parallel.dp_shard > 1, or leave them at auto/fp32"
             )
         self._check_update_rule(mesh)
+        self._check_embedding_sharding(mesh)
         if train.compile and (mesh["tp"] > 1 or mesh["pp"] > 1 or sharded):
             raise ValueError(
                 "train.compile works with plain data parallelism (DDP) only for now: set "
@@ -205,6 +206,37 @@ class Config(Section):
             raise ValueError(
                 f"parallel.pp_schedule interleaved_1f1b needs parallel.pp_microbatches "
                 f"({micro}) to be a multiple of parallel.pp ({mesh['pp']})"
+            )
+
+    def _check_embedding_sharding(self, mesh: dict[str, int]) -> None:
+        """Embedding tables are sharded over the ranks of a plain data-parallel (DDP) mesh
+        whose replicas take every step together; only a model with tables has any."""
+        sharding = self.parallel.embedding_sharding
+        if sharding == "none":
+            return
+        key = f"parallel.embedding_sharding={sharding}"
+        split = [f"parallel.{d}={mesh[d]}" for d in ("dp_shard", "tp", "pp") if mesh[d] > 1]
+        if split:
+            raise ValueError(
+                f"{key} spreads the tables over the data-parallel (DDP) ranks and keeps the "
+                f"dense part replicated; it does not combine with {split[0]}: set "
+                f"{split[0].split('=')[0]}=1 (parallel.dp_replicate: -1), or "
+                "parallel.embedding_sharding: none"
+            )
+        if self.update.rule != "sync":
+            raise ValueError(
+                f"{key} needs update.rule: sync: each table row lives on one rank, so "
+                f"replicas cannot step on their own (update.rule={self.update.rule})"
+            )
+        if self.train.compile:
+            raise ValueError(f"{key} does not run under train.compile: set train.compile: false")
+        name = self.model.name
+        if not self.model.target and "embeddings" not in BUILTINS[name].splits:
+            having = [n for n, b in BUILTINS.items() if "embeddings" in b.splits]
+            use = f"model.name: {' or '.join(having)}, or " if having else ""
+            raise ValueError(
+                f"{key} shards a model's embedding tables, and model {name} has none: use "
+                f"{use}parallel.embedding_sharding: none"
             )
 
     def _check_update_rule(self, mesh: dict[str, int]) -> None:

@@ -234,6 +234,21 @@ class ParallelConfig(Section):
     balance_every_logs: int = Field(
         2, ge=1, description="measured: re-measure shares every N logging intervals"
     )
+    # Embedding tables (models with an EmbeddingTables, e.g. dlrm) spread over the
+    # data-parallel ranks; the dense part stays DDP (training.engine.embedding_sharding).
+    embedding_sharding: Literal["none", "table", "row"] = Field(
+        "none",
+        description="table: each embedding table whole on one rank (balanced by bytes); "
+        "row: each table's rows in contiguous blocks over the ranks; none: every rank "
+        "holds every table",
+    )
+    embedding_budget_mb: float = Field(
+        0.0,
+        ge=0.0,
+        le=1e9,
+        description="a rank's budget for embedding state (weights + optimizer state), MB; "
+        "tables that do not fit fail before training (0: no limit)",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -51,6 +51,8 @@ class LayoutBase:
     forward_is_collective = True
     # Whether every rank holds every gradient whole after backward (DDP's all-reduce).
     replicated = False
+    # Ids of parameters only this rank holds, whole (sharded embedding rows).
+    held_alone: frozenset[int] = frozenset()
 
     def __init__(
         self,
@@ -90,7 +92,9 @@ class LayoutBase:
         self.optimizer.set_lr(lr)
         # The norm is taken even without clipping: it is where a non-finite gradient shows.
         limit = grad_clip or math.inf
-        norm = clip_grad_norm(self.parts, limit, self.topo.shape.pp, self.replicated)
+        norm = clip_grad_norm(
+            self.parts, limit, self.topo.shape.pp, self.replicated, self.held_alone
+        )
         stepped = step_is_finite(norm)
         if stepped:  # else the weights and the optimizer's state stay as they were
             self.optimizer.step()

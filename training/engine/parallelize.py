@@ -7,6 +7,8 @@ that combines the replicas' work.
 
     whole replicas       DataParallel (DDP; sync, local SGD, DiLoCo)    replicas.py
                          AsyncReplicas (a parameter server)            replicas.py
+    tables split,        EmbeddingParallel (embedding tables table- or  embedding_sharding.py
+    dense replicated       row-wise over the DDP ranks, all-to-all lookups)
     split across ranks   Sharded (FSDP2 / HSDP, tensor parallel)        layouts.py
                          Pipelined (stages, each maybe TP and sharded)  layouts.py
 """
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from torch import nn
 
 from training.config import Config
+from training.engine.embedding_sharding import EmbeddingParallel, check_tables_fit
 from training.engine.layouts import Autocast, Pipelined, Sharded
 from training.engine.replicas import AsyncReplicas, DataParallel
 from training.engine.steps import Layout, LearningRate, LossFn
@@ -35,6 +38,12 @@ def parallelize(
     """This rank's share of the model for the job's layout. `build()` returns a freshly
     initialised whole model, the same on every rank (seeded). A layout that shards or
     splits needs `topo.device_mesh` (Topology.with_device_mesh)."""
+    if cfg.parallel.embedding_budget_mb or cfg.parallel.embedding_sharding != "none":
+        model = build()
+        check_tables_fit(model, cfg, topo.shape.as_dict())
+        if cfg.parallel.embedding_sharding != "none":
+            return EmbeddingParallel(model.to(topo.device), topo, cfg, loss_fn, autocast)
+        build = lambda: model  # noqa: E731 (built once, laid out below as any model)
     if cfg.update.rule == "async":
         model = build().to(topo.device)
         return AsyncReplicas(model, topo, cfg, loss_fn, autocast, schedule)

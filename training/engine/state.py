@@ -92,23 +92,32 @@ class TrainState:
 
 
 def clip_grad_norm(
-    parts: list[nn.Module], max_norm: float, pp_size: int = 1, replicated: bool = False
+    parts: list[nn.Module],
+    max_norm: float,
+    pp_size: int = 1,
+    replicated: bool = False,
+    held_alone: frozenset[int] = frozenset(),
 ) -> float:
     """Scale gradients so their global norm is at most `max_norm`; return the norm.
 
     The norm is over the whole model, so every rank computes the factor one process
     would. Each rank adds the squares of the gradient pieces it holds, each divided by
     how many ranks hold that same piece (the ranks of its pipeline stage, over the shards
-    a DTensor is cut into), and one all-reduce sums them. `replicated`: every rank holds
+    a DTensor is cut into, one for the parameters in `held_alone` by id: embedding rows
+    only this rank holds), and one all-reduce sums them. `replicated`: every rank holds
     every gradient whole (DDP), so no communication is needed.
     """
-    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
+    params = [p for part in parts for p in part.parameters() if p.grad is not None]
     distributed = dist.is_initialized() and not replicated
     world = dist.get_world_size() if distributed else 1
     stage_ranks = world // pp_size  # the ranks that hold one pipeline stage
     locals_, copies = [], []
-    for grad in grads:
-        if isinstance(grad, DTensor):
+    for param in params:
+        grad = param.grad
+        if id(param) in held_alone:
+            locals_.append(grad)
+            copies.append(1)
+        elif isinstance(grad, DTensor):
             locals_.append(grad.to_local())
             copies.append(stage_ranks // _shards(grad))
         else:

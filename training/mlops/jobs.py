@@ -23,6 +23,7 @@ from training.data.loader import check_batch_fits
 from training.data.manifest import read_manifest
 from training.data.spec import DataSpec
 from training.engine.control import Control
+from training.engine.embedding_sharding import check_tables_fit
 from training.engine.job import TrainJob
 from training.engine.launch import Preempted, launch_workers, open_control
 from training.engine.tracker import TrackerFactory
@@ -38,7 +39,7 @@ from training.mlops.runs import (
 from training.mlops.serving import log_pyfunc_model
 from training.mlops.sync import defer_job_end
 from training.mlops.tracking import MlflowSink, pending_records, redact_uri, tracking_reachable
-from training.models.registry import check_buildable
+from training.models.registry import build_model, check_buildable
 
 log = logging.getLogger("gradline")
 
@@ -76,7 +77,10 @@ def run_job(request: JobRequest, control: Control | None = None) -> JobOutcome:
     manifest = read_manifest(request.shards)
     # A model that cannot be built for this data fails here, as bad input (exit 2),
     # before a run is created or a worker starts.
-    check_buildable(cfg.model, cfg.task.type, DataSpec.from_manifest(manifest), cfg.layout())
+    data = DataSpec.from_manifest(manifest)
+    check_buildable(cfg.model, cfg.task.type, data, cfg.layout())
+    if cfg.parallel.embedding_budget_mb:  # embedding tables over a rank's budget: here too
+        check_tables_fit(build_model(cfg.model, cfg.task.type, data), cfg, cfg.layout())
     check_batch_fits(manifest["splits"]["train"]["rows"], cfg.train.batch_size)
     control = control or open_control(cfg.runtime)
     job = _open(request, control, manifest["data_version"])

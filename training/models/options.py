@@ -88,7 +88,9 @@ class DLRMOptions(Section):
 class Builtin:
     options: type[Section]
     kinds: tuple[DataKind, ...]  # the data it takes
-    splits: frozenset[str] = frozenset()  # mesh dimensions beyond data parallelism
+    # Mesh dimensions beyond data parallelism ("tp", "pp"), and "embeddings" where its
+    # embedding tables may be sharded across the ranks (parallel.embedding_sharding).
+    splits: frozenset[str] = frozenset()
 
 
 BUILTINS: dict[str, Builtin] = {
@@ -98,8 +100,9 @@ BUILTINS: dict[str, Builtin] = {
     "gpt": Builtin(GPTOptions, ("tokens",), frozenset({"tp", "pp"})),
     # A causal temporal convolution over a forecasting window's past values.
     "tcn": Builtin(TCNOptions, ("series",)),
-    # Tables whose leading features are id codes (data.categorical_columns, clicks).
-    "dlrm": Builtin(DLRMOptions, ("table",)),
+    # Tables whose leading features are id codes (data.categorical_columns, clicks);
+    # its embedding tables may be sharded over the ranks (parallel.embedding_sharding).
+    "dlrm": Builtin(DLRMOptions, ("table",), frozenset({"embeddings"})),
 }
 
 
