@@ -356,3 +356,28 @@ def test_a_champion_forecasting_another_horizon_cannot_score_the_new_windows() -
     assert incompatibility(spec(3), "forecasting", spec(4), "forecasting") == (
         "it forecasts 3 steps, the windows now hold 4"
     )
+
+
+def test_windows_are_seen_relative_to_their_last_value() -> None:
+    """A level shift of the past values shifts every predicted step by the same amount,
+    and a model that outputs zeros forecasts the last value (the naive baseline)."""
+    import torch
+    from torch import nn
+
+    from training.models.level import LevelRelative
+
+    context, covariates, horizon = 5, 2, 3
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(context + covariates, 16), nn.GELU(), nn.Linear(16, horizon))
+    model = LevelRelative(inner, context)
+    x = torch.randn(4, context + covariates)
+    shifted = x.clone()
+    shifted[:, :context] += 7.5  # the series moved up; covariates did not
+    torch.testing.assert_close(model(shifted), model(x) + 7.5)
+
+    class Zero(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(x.shape[0], horizon)
+
+    naive = LevelRelative(Zero(), context)(x)
+    torch.testing.assert_close(naive, x[:, context - 1 : context].expand(-1, horizon))

@@ -21,6 +21,7 @@ from training.errors import ConfigError
 from training.models.cnn import ResNet
 from training.models.dlrm import DLRM
 from training.models.gpt import GPT
+from training.models.level import LevelRelative
 from training.models.mlp import MLP
 from training.models.options import (
     BUILTINS,
@@ -175,6 +176,10 @@ def build_model(model_cfg: ModelConfig, task: str, data: DataSpec) -> nn.Module:
         model = build_user_model(model_cfg.target, model_cfg.options, task, data, size)
     else:
         model = _build_builtin(model_cfg, task, data, size)
+    if data.kind == "series":
+        # Windows are already scaled per series (training.data.series); the model sees
+        # them relative to their last value (training.models.level).
+        return LevelRelative(model, int((data.forecast or {}).get("context", 1)))
     # Dense features are standardized; id codes pass unchanged (feature_scaling).
     scaling = data.feature_scaling() if data.kind == "table" else None
     labels = objective.label_scaling()
