@@ -245,3 +245,18 @@ def _client(root: Path):
 
     store = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
     return MlflowClient(tracking_uri=store, registry_uri=store)
+
+
+def assert_same_training(got, want, steps: int, loss_rtol: float, weight_atol: float) -> None:
+    """Two jobs trained alike: `steps` losses each, equal within `loss_rtol`, and the same
+    consolidated weights within `weight_atol` (got/want: (losses, name -> tensor))."""
+    import torch
+
+    (losses, weights), (want_losses, want_weights) = got, want
+    assert len(losses) == len(want_losses) == steps
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(want_losses), rtol=loss_rtol, atol=0
+    )
+    assert weights.keys() == want_weights.keys()
+    for name, value in want_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=weight_atol, msg=name)

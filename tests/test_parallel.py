@@ -19,7 +19,7 @@ from training.engine.launch import TrainingFailed, launch_workers
 from training.mlops.tracking import client, ensure_experiment
 from training.models.folder import load_model_dir
 
-from .conftest import train_job
+from .conftest import assert_same_training, train_job
 from .resume_checks import Resumed, assert_resumed
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -132,14 +132,7 @@ def finished(tiny_token_shards, tracking, tmp_path_factory):
 
 
 def _assert_same_training(got, want) -> None:
-    (losses, weights), (want_losses, want_weights) = got, want
-    assert len(losses) == len(want_losses) == GPT_JOB["train"]["max_steps"]
-    torch.testing.assert_close(
-        torch.tensor(losses), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0
-    )
-    assert weights.keys() == want_weights.keys()
-    for name, value in want_weights.items():
-        torch.testing.assert_close(weights[name], value, rtol=0, atol=WEIGHT_ATOL, msg=name)
+    assert_same_training(got, want, GPT_JOB["train"]["max_steps"], LOSS_RTOL, WEIGHT_ATOL)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
