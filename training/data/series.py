@@ -402,86 +402,35 @@ def write_window_shards(
 ) -> dict[str, Any]:
     """Split the series snapshot by time and write each split's windows as shards, with a
     manifest whose `forecast` entry holds the cutoffs and each series' statistics."""
-    from training.data.shards import RunningMoments, _SplitWriter
-
     frame, layout = read_series(raw_dir)
     first, last = int(frame[TIME].min()), int(frame[TIME].max())
     cutoffs = split_cutoffs(
         first, last, shard.val_fraction, shard.test_fraction, data.split_dates, layout.time_kind
     )
     covariates = list(layout.covariates)
-    train_rows = frame[frame[TIME] < cutoffs[0]]
-    moments = RunningMoments()
-    if covariates:
-        moments.add(train_rows[covariates].to_numpy())
-    cov_mean, cov_std = moments.result() if covariates else ([], [])
-    splits = {name: Windows.empty() for name in SPLITS}
-    stats: list[SeriesStats] = []
-    for index, (name, group) in enumerate(frame.groupby(SERIES, sort=True)):
-        times = group[TIME].to_numpy()
-        values = group[TARGET].to_numpy()
-        one = series_stats(str(name), values[times < cutoffs[0]], season)
-        stats.append(one)
-        scaled = (values - one.mean) / one.std
-        cov = (group[covariates].to_numpy() - cov_mean) / cov_std if covariates else None
-        cov = cov if cov is not None else np.zeros((len(group), 0))
-        features, future, codes, spans = series_windows(
-            times, scaled, cov, context, horizon, cutoffs
-        )
-        extras = np.tile([one.mean, one.std, one.mase_scale], (len(future), 1))
-        labels = np.concatenate([future, extras], axis=1)
-        for code, split in enumerate(SPLITS):
-            chosen = codes == code
-            if chosen.any():
-                windows = splits[split]
-                windows.features.append(features[chosen])
-                windows.labels.append(labels[chosen])
-                windows.series_index.append(np.full(int(chosen.sum()), index))
-                windows.times.append(spans[chosen])
-    longest = max(s.train_points for s in stats)
-    if splits["train"].rows == 0:
-        raise ConfigError(
-            f"no training window fits: task.context ({context}) + task.horizon ({horizon}) "
-            f"= {context + horizon} points, and the longest train span (before the "
-            f"validation cutoff) has {longest}; lower task.context or task.horizon, or "
-            "give train more of the time span (shard.val_fraction, shard.test_fraction, "
-            "data.split_dates)"
-        )
-    target = max(1, int(shard.target_shard_mb * 2**20))
+    cov_mean, cov_std = _covariate_moments(frame[frame[TIME] < cutoffs[0]], covariates)
+    splits, stats = _windows_by_split(
+        frame, covariates, cov_mean, cov_std, context, horizon, season, cutoffs
+    )
+    _check_every_split_has_windows(splits, stats, context, horizon)
+    forecast = {
+        "context": context,
+        "horizon": horizon,
+        "season": season,
+        "time_kind": layout.time_kind,
+        "time_column": layout.time_column,
+        "series_column": layout.series_column,
+        "target": layout.target,
+        "covariates": covariates,
+        "covariate_mean": list(cov_mean),
+        "covariate_std": list(cov_std),
+        "val_start": cutoffs[0],
+        "test_start": cutoffs[1],
+        "time_step": _time_step(frame),
+        "series": [asdict(s) for s in stats],
+    }
     with atomic_dir(out_dir) as staging:
-        key = 0
-        written = {}
-        for split in SPLITS:
-            windows = splits[split]
-            if windows.rows == 0:
-                raise DataError(
-                    f"split {split!r} has no whole window of task.context {context} + "
-                    f"task.horizon {horizon} points; give it more of the time span "
-                    "(shard.val_fraction, shard.test_fraction, data.split_dates) or lower "
-                    "task.horizon"
-                )
-            writer = _SplitWriter(split, staging, target)
-            writer.add(windows.table(key))
-            writer.flush()
-            key += windows.rows
-            written[split] = {"rows": writer.rows, "shards": writer.shards}
-        schema = windows.table(0).schema
-        forecast = {
-            "context": context,
-            "horizon": horizon,
-            "season": season,
-            "time_kind": layout.time_kind,
-            "time_column": layout.time_column,
-            "series_column": layout.series_column,
-            "target": layout.target,
-            "covariates": covariates,
-            "covariate_mean": list(cov_mean),
-            "covariate_std": list(cov_std),
-            "val_start": cutoffs[0],
-            "test_start": cutoffs[1],
-            "time_step": _time_step(frame),
-            "series": [asdict(s) for s in stats],
-        }
+        written, schema = _write_splits(splits, staging, max(1, int(shard.target_shard_mb * 2**20)))
         manifest: dict[str, Any] = {
             "version": MANIFEST_VERSION,
             "data_version": data_version,
@@ -499,3 +448,94 @@ def write_window_shards(
         }
         write_json(staging / MANIFEST, manifest)
     return manifest
+
+
+def _covariate_moments(train_rows: Any, covariates: list[str]) -> tuple[list, list]:
+    """The covariates' mean and std over the train span (scaling from train only)."""
+    if not covariates:
+        return [], []
+    from training.data.shards import RunningMoments
+
+    moments = RunningMoments()
+    moments.add(train_rows[covariates].to_numpy())
+    return moments.result()
+
+
+def _windows_by_split(
+    frame: Any,
+    covariates: list[str],
+    cov_mean: list,
+    cov_std: list,
+    context: int,
+    horizon: int,
+    season: int,
+    cutoffs: tuple[int, int],
+) -> tuple[dict[str, Windows], list[SeriesStats]]:
+    """Every series scaled by its train span and cut into windows, gathered per split;
+    a window's label is its scaled future, then the series' mean, std and MASE scale."""
+    splits = {name: Windows.empty() for name in SPLITS}
+    stats: list[SeriesStats] = []
+    for index, (name, group) in enumerate(frame.groupby(SERIES, sort=True)):
+        times = group[TIME].to_numpy()
+        values = group[TARGET].to_numpy()
+        one = series_stats(str(name), values[times < cutoffs[0]], season)
+        stats.append(one)
+        scaled = (values - one.mean) / one.std
+        if covariates:
+            cov = (group[covariates].to_numpy() - cov_mean) / cov_std
+        else:
+            cov = np.zeros((len(group), 0))
+        features, future, codes, spans = series_windows(
+            times, scaled, cov, context, horizon, cutoffs
+        )
+        extras = np.tile([one.mean, one.std, one.mase_scale], (len(future), 1))
+        labels = np.concatenate([future, extras], axis=1)
+        for code, split in enumerate(SPLITS):
+            chosen = codes == code
+            if chosen.any():
+                windows = splits[split]
+                windows.features.append(features[chosen])
+                windows.labels.append(labels[chosen])
+                windows.series_index.append(np.full(int(chosen.sum()), index))
+                windows.times.append(spans[chosen])
+    return splits, stats
+
+
+def _check_every_split_has_windows(
+    splits: dict[str, Windows], stats: list[SeriesStats], context: int, horizon: int
+) -> None:
+    if splits["train"].rows == 0:
+        longest = max(s.train_points for s in stats)
+        raise ConfigError(
+            f"no training window fits: task.context ({context}) + task.horizon ({horizon}) "
+            f"= {context + horizon} points, and the longest train span (before the "
+            f"validation cutoff) has {longest}; lower task.context or task.horizon, or "
+            "give train more of the time span (shard.val_fraction, shard.test_fraction, "
+            "data.split_dates)"
+        )
+    for split in SPLITS:
+        if splits[split].rows == 0:
+            raise DataError(
+                f"split {split!r} has no whole window of task.context {context} + "
+                f"task.horizon {horizon} points; give it more of the time span "
+                "(shard.val_fraction, shard.test_fraction, data.split_dates) or lower "
+                "task.horizon"
+            )
+
+
+def _write_splits(splits: dict[str, Windows], staging: Path, target_bytes: int) -> tuple[dict, Any]:
+    """Each split's windows as shards under `staging` (keys run on across the splits):
+    (rows and shards per split, the shards' Arrow schema)."""
+    from training.data.shards import _SplitWriter
+
+    key = 0
+    written = {}
+    for split in SPLITS:
+        windows = splits[split]
+        table = windows.table(key)
+        writer = _SplitWriter(split, staging, target_bytes)
+        writer.add(table)
+        writer.flush()
+        key += windows.rows
+        written[split] = {"rows": writer.rows, "shards": writer.shards}
+    return written, table.schema
