@@ -245,7 +245,10 @@ def trained(tmp_path_factory):
         if key not in _trained:
             out = tmp_path_factory.mktemp(f"{mode}{world}")
             _spawn(_rank_trains, world, mode, str(out))
-            _trained[key] = ([torch.load(out / f"rank{r}.pt") for r in range(world)], out)
+            _trained[key] = (
+                [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)],
+                out,
+            )
         return _trained[key]
 
     return get
@@ -309,7 +312,7 @@ def test_a_checkpoint_of_2_ranks_loads_on_1_and_4(mode, world, trained, referenc
     _spawn(_rank_loads, world, mode, str(out))
     seen = [0] * len(ROWS)
     for r in range(world):
-        loaded = torch.load(out / f"loaded-{mode}-{world}-rank{r}.pt")
+        loaded = torch.load(out / f"loaded-{mode}-{world}-rank{r}.pt", weights_only=True)
         for t, ((start, end), weight, exp_avg) in loaded.items():
             assert torch.equal(weight, whole[t][start:end])
             assert torch.equal(exp_avg, moments[t][start:end])
