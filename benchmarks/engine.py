@@ -36,6 +36,7 @@ from training.config import Config
 from training.data.loader import open_reader
 from training.data.manifest import read_manifest
 from training.data.spec import DataSpec
+from training.engine.topology import end_process_groups
 from training.mlops.jobs import JobOutcome, JobRequest, run_job
 from training.models.registry import build_model
 from training.objectives import objective_for
@@ -69,11 +70,8 @@ def minimal_ddp_worker(shard_dir: str, cfg: dict, steps: int) -> dict | None:
         loss.backward()
         optimizer.step()
     elapsed = time.perf_counter() - started
-    # Let gloo's worker threads retire the last backward's all-reduces before the group is
-    # torn down: each holds a Python object (autograd's stashed context) whose release
-    # needs the GIL, which the tearing-down main thread holds (torch 2.13; it hung here).
-    dist.barrier()
-    dist.destroy_process_group()
+    # The engine's own teardown: it lets gloo's threads retire the last all-reduces.
+    end_process_groups()
     return {"loop_seconds": elapsed, "loop_steps": steps} if rank == 0 else None
 
 

@@ -161,9 +161,9 @@ def _train(rank, world, staleness, segments, delays=None, pause_s=0.0, timeout_s
             {"segment": segment, "models": models, "server": server, "version": updates.version}
         )
         time.sleep(pause_s)
-    out["bytes_sent"], out["wait_seconds"] = updates.bytes_sent, updates.wait_seconds
     out["next_gradient"] = [updates.next_gradient(w) for w in range(world)]
-    updates.close()
+    updates.close()  # joins rank 0's proxies: the last reply they sent is counted
+    out["bytes_sent"], out["wait_seconds"] = updates.bytes_sent, updates.wait_seconds
     return out
 
 

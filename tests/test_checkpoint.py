@@ -190,6 +190,8 @@ def _rank_saves_its_part(rank: int, directory: str, store: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from training.engine.topology import end_process_groups
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
@@ -208,7 +210,7 @@ def _rank_saves_its_part(rank: int, directory: str, store: str) -> None:
         dist.barrier()  # training-thread collectives while the save runs in the background
     writer.close()
     dist.barrier()
-    dist.destroy_process_group()
+    end_process_groups()
 
 
 @pytest.mark.multiprocess
@@ -253,6 +255,32 @@ def test_checkpoint_copies_waiting_to_ship_are_bounded(tmp_path) -> None:
     waiting = sorted(p.name for p in tmp_path.glob(".mlflow-*"))
     assert waiting == [".mlflow-step-00000004", ".mlflow-step-00000005"]
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000005", "step-00000004"]
+
+
+def test_a_checkpoint_pruned_while_it_ships_still_lands_whole(tmp_path) -> None:
+    """The writer prunes pending copies beyond `keep` while a slow helper ships the
+    oldest: the helper's copy is its own, so every file lands and nothing fails."""
+    from training.mlops.tracking import _ship, link_checkpoint
+
+    pending = link_checkpoint(_save(tmp_path, 3, keep=1), keep=1)
+    record = {"kind": "checkpoint", "path": str(pending), "name": "step-00000003", "step": 3}
+    record["values"] = {"train_loss": 0.5}
+    want = sorted(p.name for p in pending.iterdir())
+    shipped = []
+
+    class Client:
+        def log_artifacts(self, run_id, local_dir, artifact_path):
+            for step in (4, 5):  # training goes on meanwhile, keeping one copy waiting
+                link_checkpoint(_save(tmp_path, step, keep=1), keep=1)
+            shipped.append(sorted(p.name for p in Path(local_dir).iterdir()))
+
+        def log_dict(self, run_id, payload, artifact_file):
+            shipped.append(payload)
+
+    _ship(Client(), "run", [record], {})
+    assert shipped == [want, {"step": 3, "train_loss": 0.5}]
+    left = sorted(p.name for p in tmp_path.glob(".mlflow-*"))
+    assert left == [".mlflow-step-00000005"]  # the shipped copy is gone, the newest waits
 
 
 def test_tracker_links_the_checkpoint_and_ships_it_once(tmp_path) -> None:

@@ -25,6 +25,7 @@ from training.engine.embedding_sharding import (
     plan_shards,
     state_mb,
 )
+from training.engine.topology import end_process_groups
 from training.errors import ConfigError
 from training.models.embedding_tables import EmbeddingTables
 
@@ -189,7 +190,7 @@ def _rank_trains(rank: int, world: int, mode: str, out: str, store: str) -> None
         Path(out) / f"rank{rank}.pt",
     )
     dcp.save(layout.state.state_dict(), checkpoint_id=Path(out) / "ckpt")
-    dist.destroy_process_group()
+    end_process_groups()
 
 
 def _rank_loads(rank: int, world: int, mode: str, out: str, store: str) -> None:
@@ -210,7 +211,7 @@ def _rank_loads(rank: int, world: int, mode: str, out: str, store: str) -> None:
         weight = layout.tables.tables[t].weight
         loaded[t] = (layout.tables.plan.block(t, rank), weight.detach(), optim[weight]["exp_avg"])
     torch.save(loaded, Path(out) / f"loaded-{mode}-{world}-rank{rank}.pt")
-    dist.destroy_process_group()
+    end_process_groups()
 
 
 def _spawn(fn, world: int, *args, timeout: float = 200.0) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
@@ -181,7 +182,25 @@ def process_group(topo: Topology, timeout_s: float = 300.0) -> Iterator[None]:
     # Only on success. After an error, a graceful destroy can wait on a peer that is
     # itself blocked in a collective waiting for us; exiting instead closes our sockets
     # and the peers fail at once ("connection closed by peer"), so the agent restarts.
+    end_process_groups()
+
+
+# How long the gloo threads get to finish with their last work once the groups are
+# destroyed. 0.1 s ended a hang that struck 2 runs in 3 of a 4-rank load on 2 cores.
+GLOO_DRAIN_SECONDS = 0.1
+
+
+def end_process_groups() -> None:
+    """Destroy every process group, then let gloo's worker threads finish.
+
+    A gloo worker thread releases its last finished collective after the caller has
+    moved on, and that release drops Python tensors, so it needs the GIL. Whatever
+    still holds the group (DDP's reducer, a layout) frees it later from Python, with
+    the GIL held, and the group's destructor joins that thread: a deadlock that hangs
+    the process at exit (torch 2.13; pytorch/pytorch#56297). Sleeping hands the GIL
+    over so the threads are idle before anything can free the groups."""
     dist.destroy_process_group()
+    time.sleep(GLOO_DRAIN_SECONDS)
 
 
 def _serve_the_workers_store(topo: Topology, timeout: timedelta) -> None:

@@ -313,6 +313,23 @@ def link_checkpoint(path: Path, keep: int = PENDING_CHECKPOINTS) -> Path:
     return pending
 
 
+def claim_pending(pending: Path) -> Path | None:
+    """Take a pending checkpoint folder out of the writer's reach before shipping it, or
+    None when the writer pruned it first (the shipper skips that record).
+
+    The writer prunes `.mlflow-step-*` beyond its `keep` while the helper may be copying
+    one of them (a slow helper on a busy host): the copy then failed half-way and took the
+    job down. Renaming is atomic, so the folder is either pruned or the shipper's. A
+    claimed folder left by a killed shipper is shipped by the next one."""
+    claimed = pending.with_name(pending.name.replace(".mlflow-", ".mlflow-shipping-", 1))
+    with contextlib.suppress(FileNotFoundError):
+        if claimed.exists():  # a killed shipper's claim, and the step saved again since
+            shutil.rmtree(pending)
+        else:
+            pending.rename(claimed)
+    return claimed if claimed.exists() else None
+
+
 def _deprioritize(pid: int) -> None:
     """Training first. Set from the parent right after start, so the helper's own
     start-up (imports) runs at the lowest priority too. On a saturated host the helper
@@ -367,13 +384,13 @@ def _ship(
             tags.append(RunTag(record["key"], record["value"]))
         elif kind == "text":
             mlflow_client.log_text(run_id, record["text"], record["path"])
-        elif kind == "checkpoint" and Path(record["path"]).exists():
+        elif kind == "checkpoint" and (claimed := claim_pending(Path(record["path"]))):
             folder = f"checkpoints/step-{record['step']:08d}"
-            mlflow_client.log_artifacts(run_id, record["path"], folder)
+            mlflow_client.log_artifacts(run_id, str(claimed), folder)
             payload = {"step": record["step"], **record["values"]}
             mlflow_client.log_dict(run_id, payload, f"{folder}/metrics.json")
             # Gone once shipped: a later shipper (after a restart) skips this record.
-            shutil.rmtree(record["path"], ignore_errors=True)
+            shutil.rmtree(claimed, ignore_errors=True)
         elif kind == "artifacts" and Path(record["path"]).exists():
             mlflow_client.log_artifacts(run_id, record["path"], record["artifact_path"])
             shutil.rmtree(record["path"], ignore_errors=True)
