@@ -3,12 +3,38 @@
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
 from training.config import DataConfig, ShardConfig
 from training.data.ingest import ingest
 from training.data.shards import write_shards
+
+REPO = Path(__file__).resolve().parents[1]
+# Run outputs that a checkout may hold but a fresh clone does not.
+GENERATED = {"dvc.lock", "metrics.json", "result.json", "data/ingest.json"}
+
+
+def copy_project(root: Path) -> Path:
+    """A fresh copy of the project's files (as a clone would have them) in its own git repo."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for rel in listed:
+        if rel not in GENERATED and (REPO / rel).is_file():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, root / rel)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    subprocess.run([*git, "init", "-q"], cwd=root, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=root, check=True)
+    subprocess.run([*git, "commit", "-qm", "clone"], cwd=root, check=True)
+    return root
 
 
 def make_synthetic_shards(

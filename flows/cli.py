@@ -234,6 +234,7 @@ def _register_after_sync(project, cfg) -> str:
 
 def _cmd_stage(args: argparse.Namespace) -> int:
     from training.project import Project, find_project_root
+    from training.timings import timed_span
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     root = find_project_root()
@@ -243,7 +244,8 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         args.name == "train"
         and Project(root).config(launch_overrides(args)).runtime.node_range[1] > 1
     )
-    with contextlib.nullcontext() if multi_node else project_lock(root, wait=not args.no_wait):
+    lock = contextlib.nullcontext() if multi_node else project_lock(root, wait=not args.no_wait)
+    with lock, timed_span("stage_work", stage=args.name):
         _run_stage(args, root)
     return 0
 

@@ -35,6 +35,7 @@ from training.engine.signing import job_secret
 from training.errors import GradlineError
 from training.lock import project_lock
 from training.project import Project, find_project_root
+from training.timings import record_timing
 
 
 @task(name="apply-params", task_run_name="apply-params")
@@ -83,6 +84,7 @@ def pipeline(
 
 
 def _run_steps(root: str, overrides: list[str], force: bool, accept_drift: bool) -> RunSummary:
+    record_timing(what="flow_began")
     step = "params"
     try:
         cfg = apply_params(root, overrides)

@@ -40,6 +40,7 @@ from training.errors import (
 from training.mlops.remote import failed_files, push_failed
 from training.mlops.tracking import FLOW_RUN_ENV
 from training.mlops.versioning import data_version
+from training.timings import timed_span
 
 # DVC's hints about git and pushing: the flow acts on them itself.
 _HINTS = ("git add", "To track the changes", "To enable auto staging", "autostage", "dvc push")
@@ -250,7 +251,8 @@ def run_stage(cfg: Config, root: str, name: str, force: bool, record_as: str = "
         retry_delay_seconds=cfg.orchestrate.retry_delay_s,
         retry_condition_fn=budget.condition,
     )
-    return stage(root, name, force, record_as)
+    with timed_span("stage_wall", stage=name):
+        return stage(root, name, force, record_as)
 
 
 def retry_unless_lasting(task, task_run, state) -> bool:

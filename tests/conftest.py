@@ -5,21 +5,19 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.common import copy_project  # the tests' fresh clones
 from training.config import DataConfig, ShardConfig
 from training.data.ingest import ingest
 from training.data.shards import write_shards
 from training.mlops.tracking import fluent_state_restored
 
 REPO = Path(__file__).resolve().parents[1]
-# Run outputs that a checkout may hold but a fresh clone does not.
-GENERATED = {"dvc.lock", "metrics.json", "result.json", "data/ingest.json"}
 
 # Set by .ci/run: there a skipped test fails the run. A test that cannot run in CI proves
 # nothing, and a silent skip reads like a pass; CI makes every tool a test needs available.
@@ -87,26 +85,6 @@ def tiny_series_shards(tmp_path_factory) -> Path:
     shard = ShardConfig(target_shard_mb=0.05)
     write_window_shards(data, shard, 26, 4, 13, raw, base / "shards", "test-md5")
     return base / "shards"
-
-
-def copy_project(root: Path) -> Path:
-    """A fresh copy of the project's files (as a clone would have them) in its own git repo."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    for rel in listed:
-        if rel not in GENERATED and (REPO / rel).is_file():
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, root / rel)
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
-    subprocess.run([*git, "init", "-q"], cwd=root, check=True)
-    subprocess.run([*git, "add", "-A"], cwd=root, check=True)
-    subprocess.run([*git, "commit", "-qm", "clone"], cwd=root, check=True)
-    return root
 
 
 def train_job(shards: Path, work: Path, cfg, tracking: tuple[str, str] | None = None):
