@@ -71,6 +71,10 @@ def test_run_trains_evaluates_and_registers(first_run) -> None:
     assert metrics["test_accuracy"] > 0.8
     for key in ("test_macro_f1", "test_loss", "val_accuracy", "samples_per_s"):
         assert key in metrics
+    # MFU every interval: the MLP's counted FLOPs against both ranks' measured peak.
+    mfu = client.get_metric_history(run_id, "mfu")
+    assert len(mfu) == len(client.get_metric_history(run_id, "samples_per_s")) >= 1
+    assert all(0 < m.value < 1 for m in mfu) and "tokens_per_s" not in metrics
     assert 0.5 < metrics["baseline_test_accuracy"] <= 1.0
     # The first version is champion only if it beats its baseline (logistic regression)
     # on the same split; the gate's verdict at the time is tagged on the version.
@@ -249,6 +253,9 @@ def test_language_model_example_samples_text_and_generates_through_pyfunc(tmp_pa
     for name in ("loss", "perplexity", "bits_per_token", "bits_per_byte"):
         assert f"test_{name}" in metrics and f"baseline_test_{name}" in metrics
     assert metrics["test_loss"] < metrics["baseline_test_loss"]  # beats a unigram already
+    # Tokens/s is samples/s times the context; MFU of both ranks' measured matmul peak.
+    assert metrics["tokens_per_s"] == pytest.approx(64 * metrics["samples_per_s"])
+    assert 0 < metrics["mfu"] < 1
     samples = {a.path for a in client.list_artifacts(run_id, "samples")}
     # At every validation: every 75 steps, and at the end of each epoch.
     assert {"samples/step-00000075.txt", "samples/step-00000150.txt"} <= samples

@@ -152,6 +152,12 @@ class RuntimeConfig(Section):
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept on disk")
     async_checkpoint: bool = Field(True, description="write checkpoints off the hot loop")
     straggler_factor: float = Field(1.5, gt=1.0, description="busy time over the median rank")
+    peak_tflops: float | None = Field(
+        None,
+        gt=0.0,
+        description="peak TFLOP/s of one rank's device for MFU; unset: a table of known GPUs, "
+        "or the measured matmul rate on a CPU",
+    )
     collective_timeout_s: Seconds = Field(300.0, gt=0.0, description="a stalled rank fails then")
     max_restarts: RetryCount = Field(3, description="elastic restarts after a worker failure")
 

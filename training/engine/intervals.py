@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from training.config import Config
+from training.engine.flops import Throughput
 from training.engine.timing import StepTimes, find_stragglers, gather_times, interval_metrics
 from training.engine.topology import Topology, reduce_over_shares
 from training.engine.tracker import Tracker
@@ -19,8 +20,16 @@ log = logging.getLogger("gradline.train")
 
 
 class IntervalLog:
-    def __init__(self, cfg: Config, topo: Topology, tracker: Tracker, times: StepTimes) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        topo: Topology,
+        tracker: Tracker,
+        times: StepTimes,
+        throughput: Throughput | None = None,
+    ) -> None:
         self.cfg, self.topo, self.tracker, self.times = cfg, topo, tracker, times
+        self.throughput = throughput
         self.losses: list[torch.Tensor] = []
         self.last: dict[str, float] = {}  # the latest value of every metric
         self.stragglers: dict[int, dict[str, float]] = {}
@@ -49,6 +58,8 @@ class IntervalLog:
         # numbers of gradients in an interval, and the job's steps are the server's.
         wall = max(r.wall_seconds for r in ranks)
         metrics["samples_per_s"] = self.cfg.train.batch_size * steps / wall if wall > 0 else 0.0
+        if self.throughput is not None:  # tokens/s and MFU
+            metrics.update(self.throughput.metrics(metrics["samples_per_s"]))
         # Per step of the job (under async, ranks compute different numbers of gradients).
         sent = sum(r.bytes_sent for r in ranks) / len(ranks)
         metrics["comm_bytes_per_step"] = sent / steps

@@ -35,6 +35,7 @@ from training.engine.balance import Balancer
 from training.engine.checkpoint import Checkpointer, checkpoint_dir, find_latest, load_into
 from training.engine.control import Control
 from training.engine.faults import PoisonableLoss
+from training.engine.flops import Throughput, measure_throughput
 from training.engine.instruments import Instruments
 from training.engine.intervals import IntervalLog
 from training.engine.job import TrainJob
@@ -60,13 +61,16 @@ def autocast_for(
     precision: str, device: torch.device
 ) -> Callable[[], contextlib.AbstractContextManager]:
     """The mixed precision of every forward: bf16 autocast on CUDA under auto."""
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    if precision == "fp32":
+    if not uses_bf16(precision, device):
         return contextlib.nullcontext
     if device.type != "cuda":
         raise ConfigError("train.precision=bf16 needs CUDA; use auto or fp32 on CPU")
     return lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+
+
+def uses_bf16(precision: str, device: torch.device) -> bool:
+    """Whether the forwards run under bf16 autocast: asked for, or auto on CUDA."""
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
 
 
 def step_seed(seed: int, topo: Topology, step: int) -> int:
@@ -90,6 +94,7 @@ class Setup:
     sampler: Callable[[torch.nn.Module], str] | None  # what a validation shows, if anything
     balancer: Balancer  # rows per rank of each global batch
     loss: PoisonableLoss  # the objective's loss, which the `nan` fault can poison
+    throughput: Throughput  # samples/s to tokens/s and MFU
 
 
 def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
@@ -116,14 +121,21 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         return build_model(cfg.model, cfg.task.type, data)
 
     loss = PoisonableLoss(objective.loss)
-    layout = parallelize(
+    autocast = autocast_for(cfg.train.precision, topo.device)
+    example, _ = val_reader.gather(np.arange(min(2, val_reader.num_rows)))
+    throughput = measure_throughput(
         build,
-        cfg,
-        topo,
-        loss,
-        autocast_for(cfg.train.precision, topo.device),
-        lambda step: lr_at(step, total, cfg.optim),
+        torch.from_numpy(example),
+        topo.device,
+        uses_bf16(cfg.train.precision, topo.device),
+        cfg.runtime.peak_tflops,
+        context,
     )
+
+    def schedule(step: int) -> float:
+        return lr_at(step, total, cfg.optim)
+
+    layout = parallelize(build, cfg, topo, loss, autocast, schedule)
     return Setup(
         data=data,
         loader=loader,
@@ -135,6 +147,7 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         sampler=objective.sampler(cfg.generation(), context),
         balancer=balancer,
         loss=loss,
+        throughput=throughput,
     )
 
 
@@ -330,7 +343,7 @@ class Attempt:
         job_dir = JobDir(Path(job.job_dir))
         self.per_epoch = setup.loader.batches_per_epoch
         self.inst = Instruments(job_dir, topo, control, job.faults)
-        self.intervals = IntervalLog(cfg, topo, tracker, self.inst.times)
+        self.intervals = IntervalLog(cfg, topo, tracker, self.inst.times, setup.throughput)
         self.selection = Selection.for_config(cfg)
         self.start, origin = resume(setup, topo, job_dir, self.intervals, self.selection)
         self.stopped_early = False
