@@ -7,7 +7,8 @@ Format: `KIND:rank=R:step=S[:seconds=X][:attempt=A][:once=1][:steps=N]`, several
            even across launches (a crash that a retried task gets past)
   stall  - stop making progress at step S (sleeps `seconds`, default forever)
   slow   - from step S on, every step: sleep `seconds`, or with `factor=F` stretch the
-           step's compute F times (a slower device: the delay follows the rank's share)
+           step's compute F times (a slower device: the delay follows the rank's share,
+           and burns the rank's core as a slow device would, never sleeping)
   term   - at step S (or the first after it), send SIGTERM to the launcher (this worker's
            parent, once per attempt; with once=1 once in the job): a preemption
            notice, as a cluster manager gives, that the job saves and stops on
@@ -134,7 +135,7 @@ class FaultPlan:
             return
         for fault in self.faults:
             if fault.kind == "slow" and step >= fault.step:
-                time.sleep(fault.seconds)
+                time.sleep(fault.seconds)  # a pause that stretches a drill, not a device
             elif fault.kind in ("kill", "term") and self.attempt == fault.attempt:
                 # A preemption notice comes from step S on, once: an async rank numbers
                 # its own gradients and, resumed past S, would never see S itself.
@@ -170,6 +171,21 @@ class FaultPlan:
             elif fault.kind == "hiccup" and _draw(self.rank, step) < fault.prob:
                 extra += fault.factor * compute_seconds
         return extra
+
+
+def burn(seconds: float) -> None:
+    """Keep this rank's thread computing for `seconds`, as a slower device would.
+
+    A sleep would free the core: on a host with one core per rank, the other ranks'
+    helper threads (gloo, the loader, a parameter server) would take it, and a benchmark
+    of a slow rank would beat the physical bound (sync above 0.5 with one of two ranks
+    twice as slow). Small matmuls keep the core this rank's."""
+    import torch
+
+    deadline = time.perf_counter() + seconds
+    block = torch.ones(64, 64)
+    while time.perf_counter() < deadline:
+        block @ block
 
 
 def _draw(rank: int, step: int) -> float:

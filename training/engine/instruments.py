@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 
 from training.engine.control import Control
-from training.engine.faults import FaultPlan, parse
+from training.engine.faults import FaultPlan, burn, parse
 from training.engine.health import SYNC, Heartbeat
 from training.engine.jobdir import JobDir
 from training.engine.timing import StepTimes
@@ -52,7 +52,7 @@ class Instruments:
         if not self.faults.active:
             return
         extra = self.faults.stretch(step, own_compute)
-        time.sleep(extra)
+        burn(extra)  # the rank's own core, busy: not handed to the other ranks' threads
         self.times.add("compute", extra)
 
     def move(self, seconds: float, source: str, target: str) -> None:
