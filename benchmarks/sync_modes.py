@@ -24,9 +24,10 @@ Quality at equal samples, clean, same steps: (final val_loss - sync's) / sync's:
 Runs are interleaved (every scenario, then every scenario again) `--repeats` times, so
 drift on a noisy host hits each alike; throughput ratios are medians of the ratios within
 each repetition, the rest medians. A scenario that fails prints its error and gives nan.
-Give it two otherwise idle cores: an emulated slow rank sleeps, and on an oversubscribed
-host that sleep hands its core to the other rank, which then runs faster than when clean
-(the straggler ratios come out near or above 1). About 3 minutes on 2 quiet cores.
+Give it two otherwise idle cores. The emulated slow rank burns its own core for the
+extra time (training.engine.faults.burn) rather than sleeping, which would hand the core
+to the other rank's threads and beat the physical bounds (sync 0.5 and any rule 0.75
+with one of two ranks twice as slow). About 3 minutes a repetition on 2 quiet cores.
 The last line is key=value pairs.
 Usage: python -m benchmarks.sync_modes [--steps 200] [--repeats 1] [--hiccup-prob 0.03]
        [--only sync,async_slow,...]
