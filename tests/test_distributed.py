@@ -6,6 +6,7 @@ GRADLINE_FAULT (training/faults.py), which the workers inherit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import torch
 import yaml
 
 from training.config import Config, jobspec, load_config, update_params_file, write_overrides
+from training.data.spec import DataSpec
 from training.engine.launch import PREEMPTED_EXIT_CODE, TrainingFailed, launch_workers
 from training.mlops.tracking import client, ensure_experiment
 from training.models.folder import load_model_dir
@@ -336,6 +338,30 @@ def test_one_two_and_four_ranks_and_accumulation_agree(
         cfg = _config(workload, train={"grad_accum_steps": accum})
         launch_workers(_job(shards, work, cfg), world, max_restarts=0)
         _assert_agree(workload, work / "model", expected, shards)
+
+
+def test_micro_batch_auto_fits_the_budget_and_trains_what_the_full_batch_trains(
+    request, tmp_path, reference
+) -> None:
+    """A budget that holds half a rank's share: auto picks 2 micro-batches per step, and
+    the model agrees with the reference (the same rows per step, summed in another order)."""
+    from training.data.loader import open_reader
+    from training.data.manifest import read_manifest
+    from training.engine.micro_batch import bytes_per_row, static_bytes
+    from training.models.registry import build_model
+
+    expected, shards = reference("mlp"), _shards("mlp", request)
+    cfg = _config("mlp")
+    manifest = read_manifest(shards)
+    model = build_model(cfg.model, cfg.task.type, DataSpec.from_manifest(manifest))
+    x, _ = open_reader(shards, manifest, "val").gather(np.arange(2))
+    per_row = bytes_per_row(model, torch.from_numpy(x), contextlib.nullcontext)
+    half = cfg.train.batch_size // 2 // 2  # 2 ranks, half a rank's rows
+    budget = static_bytes(model, cfg) + per_row * (half + 0.5)
+    cfg = _config("mlp", train={"micro_batch": "auto", "memory_budget_mb": budget / 2**20})
+    result = launch_workers(_job(shards, tmp_path, cfg), 2, max_restarts=0)
+    assert result["grad_accum_steps"] == 2
+    _assert_agree("mlp", tmp_path / "model", expected, shards)
 
 
 def _assert_agree(workload: str, model_dir: Path, expected, shards: Path) -> None:

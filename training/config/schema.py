@@ -172,6 +172,12 @@ class Config(Section):
                 f"{train.grad_accum_steps} = {share}) so every rank and micro-batch gets "
                 "the same share"
             )
+        if train.micro_batch == "auto" and (train.grad_accum_steps > 1 or mesh["pp"] > 1):
+            raise ValueError(
+                "train.micro_batch: auto chooses train.grad_accum_steps itself, and a "
+                "pipeline has its own micro-batches: set train.grad_accum_steps: 1 and "
+                "parallel.pp: 1, or drop train.micro_batch"
+            )
         if mesh["pp"] > 1:
             self._check_pipeline(mesh, train.batch_size // dp)
         sharded = mesh["dp_shard"] > 1

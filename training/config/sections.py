@@ -53,6 +53,17 @@ class TrainConfig(Section):
     )
     batch_size: int = Field(64, ge=1, description="global batch per optimizer step")
     grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    micro_batch: Literal["auto"] | None = Field(
+        None,
+        description="auto: the largest per-rank micro-batch that fits the device (or "
+        "train.memory_budget_mb), with grad_accum_steps set to keep the global batch",
+    )
+    memory_budget_mb: float | None = Field(
+        None,
+        gt=0.0,
+        description="memory one rank may use, for micro_batch: auto (unset: the GPU's free "
+        "memory, or this host's available memory shared by its ranks)",
+    )
     seed: Seed = 0
     deterministic: bool = Field(True, description="deterministic kernels: bitwise resume")
     precision: Literal["auto", "fp32", "bf16"] = Field(

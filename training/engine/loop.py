@@ -40,6 +40,7 @@ from training.engine.instruments import Instruments
 from training.engine.intervals import IntervalLog
 from training.engine.job import TrainJob
 from training.engine.jobdir import JobDir
+from training.engine.micro_batch import resolve_micro_batch
 from training.engine.nonfinite import NonFiniteGuard, weights_are_finite
 from training.engine.parallelize import parallelize
 from training.engine.resume_record import AttemptRecord, Origin
@@ -84,6 +85,7 @@ def step_seed(seed: int, topo: Topology, step: int) -> int:
 class Setup:
     """Everything a worker builds before its first step."""
 
+    cfg: Config  # the job's, with what set-up chose (micro_batch: auto's accumulation)
     data: DataSpec
     loader: RankLoader
     val_reader: Any
@@ -101,6 +103,15 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
     manifest = read_manifest(shard_dir)
     data = DataSpec.from_manifest(manifest)
     context = context_length(cfg.model, data.kind)
+    val_reader = open_reader(shard_dir, manifest, "val", context=context)
+    example = torch.from_numpy(val_reader.gather(np.arange(min(2, val_reader.num_rows)))[0])
+    autocast = autocast_for(cfg.train.precision, topo.device)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+        return build_model(cfg.model, cfg.task.type, data)
+
+    cfg = resolve_micro_batch(cfg, topo, build, example, autocast)
     quantum = cfg.train.grad_accum_steps  # every micro-batch gets rows
     balancer = Balancer(cfg.parallel, cfg.train.batch_size, topo.dp_rank, topo.dp_size, quantum)
     loader = RankLoader(
@@ -110,22 +121,14 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
         global_batch=cfg.train.batch_size,
         seed=cfg.train.seed,
     )
-    val_reader = open_reader(shard_dir, manifest, "val", context=context)
     tokenizer = shard_tokenizer(shard_dir, manifest) if data.kind == "tokens" else None
     objective = objective_for(cfg.task.type, data, tokenizer)
     total = cfg.train.epochs * loader.batches_per_epoch
     total = min(total, cfg.train.max_steps or total)
-
-    def build() -> torch.nn.Module:
-        torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-        return build_model(cfg.model, cfg.task.type, data)
-
     loss = PoisonableLoss(objective.loss)
-    autocast = autocast_for(cfg.train.precision, topo.device)
-    example, _ = val_reader.gather(np.arange(min(2, val_reader.num_rows)))
     throughput = measure_throughput(
         build,
-        torch.from_numpy(example),
+        example,
         topo.device,
         uses_bf16(cfg.train.precision, topo.device),
         cfg.runtime.peak_tflops,
@@ -137,6 +140,7 @@ def set_up(cfg: Config, topo: Topology, shard_dir: Path) -> Setup:
 
     layout = parallelize(build, cfg, topo, loss, autocast, schedule)
     return Setup(
+        cfg=cfg,
         data=data,
         loader=loader,
         val_reader=val_reader,
@@ -483,6 +487,9 @@ def train(
     cfg: Config, topo: Topology, job: TrainJob, tracker: Tracker, control: Control
 ) -> dict[str, Any] | None:
     setup = set_up(cfg, topo, Path(job.shard_dir))
+    cfg = setup.cfg
+    if cfg.train.micro_batch == "auto":
+        tracker.set_tag("gradline.grad_accum_steps", str(cfg.train.grad_accum_steps))
     run = Attempt(cfg, topo, setup, job, tracker, control)
     step, total = run.start, setup.total_steps
     progress = Progress("train", total, "steps", done=step) if topo.is_main else None
@@ -513,4 +520,4 @@ def train(
     if not topo.is_main:
         return None
     result = run.intervals.result(step, run.inst, run.checkpointer.stall_seconds)
-    return {**result, **selected}
+    return {**result, **selected, "grad_accum_steps": cfg.train.grad_accum_steps}

@@ -220,6 +220,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """The largest value over the ranks (the tensor itself outside a process group)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
 def reduce_over_shares(tensor: torch.Tensor, topo: Topology) -> torch.Tensor:
     """Sum a per-rank statistic over the data-parallel shares, each counted once."""
     if not topo.reports:
