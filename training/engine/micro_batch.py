@@ -10,8 +10,8 @@ A rank's memory for a micro-batch of m rows is estimated as
             the output and its gradient.
 The budget is `train.memory_budget_mb`, else the GPU's free memory (85 %: the allocator
 fragments), else this host's available memory shared by its ranks (80 %). On CUDA the
-chosen size is then tried, forward and backward for real, and halved while it runs out
-of memory. Every rank takes the largest accumulation any rank needs.
+chosen size is then tried, forward and backward for real, and made smaller while it runs
+out of memory. Every rank takes the largest accumulation any rank needs.
 """
 
 from __future__ import annotations
