@@ -55,6 +55,74 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def nothing_changed_here(args: argparse.Namespace) -> bool:
+    """`gradline run` when nothing changed and no Prefect server is there to record it,
+    answered in seconds, before the supervisor starts the command (without a server,
+    Prefect would start a temporary one, seconds, only to skip). The flow's own check
+    (training.mlops.summary), the same push, the same summary. Anything not as the last
+    run left it, or any error (the flow says what is wrong), and the flow runs."""
+    from training.config import load_config
+    from training.project import Project, find_project_root
+
+    root = find_project_root()
+    if args.force or args.set or not Project(root).train_result.is_file():
+        return False  # asked to, or never run: the flow runs
+    if prefect_api_configured():
+        return False  # the server records the skip too
+    from dataclasses import asdict
+
+    from training.mlops.dvc_cli import dvc_push_quietly, dvc_status_started
+
+    with project_lock(root, wait=not args.no_wait):
+        status = dvc_status_started(root)  # runs while mlflow imports
+        try:
+            from mlflow.exceptions import MlflowException
+
+            from training.mlops.summary import up_to_date_run
+
+            cfg = load_config(Project(root).params, [])
+            latest = up_to_date_run(root, cfg, status, lambda message: None)
+        except (GradlineError, MlflowException):
+            return False
+        finally:  # never left running: the flow's `dvc repro` needs DVC's lock
+            with contextlib.suppress(GradlineError):
+                status()
+        if latest is None or not dvc_push_quietly(root):
+            return False
+    print(json.dumps(asdict(latest), indent=2))
+    print(latest.describe())
+    return True
+
+
+def prefect_api_configured() -> bool:
+    """Whether Prefect is pointed at an API server: PREFECT_API_URL in the environment,
+    the active profile, a prefect.toml, pyproject's [tool.prefect] or a .env here. Read
+    without importing Prefect, which alone costs about a second."""
+    if os.environ.get("PREFECT_API_URL"):
+        return True
+    home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
+    profiles = Path(os.environ.get("PREFECT_PROFILES_PATH", home / "profiles.toml")).expanduser()
+    settings = _toml(profiles)
+    active = os.environ.get("PREFECT_PROFILE") or settings.get("active", "ephemeral")
+    if settings.get("profiles", {}).get(active, {}).get("PREFECT_API_URL"):
+        return True
+    if _toml(Path("prefect.toml")).get("api", {}).get("url"):
+        return True
+    if _toml(Path("pyproject.toml")).get("tool", {}).get("prefect", {}).get("api", {}).get("url"):
+        return True
+    dotenv = Path(".env")
+    return dotenv.is_file() and "PREFECT_API_URL" in dotenv.read_text(errors="replace")
+
+
+def _toml(path: Path) -> dict:
+    import tomllib
+
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return {}
+
+
 def prefect_unreachable(exc: Exception) -> OrchestratorUnreachable:
     """What a run that lost the Prefect API kept, and how to go on."""
     from prefect.settings import get_current_settings
@@ -596,6 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_offline_defaults()
     args = build_parser().parse_args(argv)
     if args.command in SUPERVISED_COMMANDS and not os.environ.get(SUPERVISED_ENV):
+        if args.command == "run" and nothing_changed_here(args):
+            return 0
         argv = sys.argv[1:] if argv is None else argv
         # A stop is how a server normally ends: its own exit code, not 128 + the signal.
         return supervise(argv, _stop_grace_s(), signal_code=args.command != "serve")

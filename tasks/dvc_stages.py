@@ -37,6 +37,7 @@ from training.errors import (
     is_retryable,
     is_retryable_exit,
 )
+from training.mlops.dvc_cli import DvcCommandFailed, dvc_status
 from training.mlops.remote import failed_files, push_failed
 from training.mlops.tracking import FLOW_RUN_ENV
 from training.mlops.versioning import data_version
@@ -364,6 +365,8 @@ def reproduce_shards(root: Path) -> None:
 
 
 def stale_stages(root: Path, *targets: str) -> dict:
-    """What `dvc status` says changed since the last run (of `targets`, default all
-    stages): {} when nothing did. A target's status includes the stages it depends on."""
-    return json.loads(dvc_output(root, "status", "--json", *targets) or "{}")
+    """training.mlops.dvc_cli.dvc_status, failing as a (retryable) stage failure."""
+    try:
+        return dvc_status(root, *targets)
+    except DvcCommandFailed as exc:
+        raise StageFailed(str(exc), exc.exit_code, retryable=True) from exc

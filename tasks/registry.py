@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -13,131 +13,21 @@ from tasks.dvc_stages import stale_stages
 from training.config import Config
 from training.data.manifest import MANIFEST, read_manifest, split_digest
 from training.mlops.drift import record_drift
-from training.mlops.lineage import model_version_url, run_url, ui_base, version_tags
+from training.mlops.lineage import version_tags
 from training.mlops.model_card import TAG_MODEL_CARD, CardSources, card_link, card_uri, write_card
-from training.mlops.registry import gate_score, is_gated, register_and_gate, version_of_run
+from training.mlops.registry import gate_score, register_and_gate
+from training.mlops.summary import RunSummary, summarize, up_to_date_run
 from training.mlops.sync import run_model_uri, ship_when_back
-from training.mlops.tracking import TAG_DATA_VERSION, client, redact_uri
-from training.project import Project, default_tracking_uri
+from training.mlops.tracking import client
+from training.project import Project
 
 SUMMARY_KEY = "gradline-run-summary"
 
 
-@dataclass(frozen=True)
-class RunSummary:
-    status: str  # "completed" or "skipped"
-    data_version: str
-    run_id: str
-    run_url: str
-    experiment: str
-    tracking_uri: str
-    model_name: str
-    version: int
-    version_url: str
-    alias: str
-    metrics: dict[str, float] = field(default_factory=dict)
-    verdict: str = ""
-
-    @property
-    def headline(self) -> str:
-        if self.status == "skipped":
-            return f"up to date with run {self.run_id}"
-        return f"trained run {self.run_id}"
-
-    def describe(self) -> str:
-        metrics = "  ".join(
-            f"{k}={v:.4f}"
-            + (
-                f" (baseline {b:.4f}"
-                # A task with a second baseline (forecasting's last value) shows it too.
-                + (
-                    f", last value {last:.4f}"
-                    if (last := self.metrics.get(f"baseline_last_value_{k}")) is not None
-                    else ""
-                )
-                + ")"
-                if (b := self.metrics.get(f"baseline_{k}")) is not None
-                else ""
-            )
-            for k, v in sorted(self.metrics.items())
-            if not k.startswith("baseline_")
-        )
-        first = (
-            f"gradline: nothing changed, {self.headline} (pass --force to retrain)"
-            if self.status == "skipped"
-            else "gradline run complete"
-        )
-        return (
-            f"{first}\n"
-            f"  data version   {self.data_version}\n"
-            f"  MLflow run     {self.run_id} (experiment {self.experiment!r})\n"
-            f"                 {self.run_url}\n"
-            f"  model version  {self.model_name} v{self.version} -> alias {self.alias!r}\n"
-            f"                 {self.version_url}\n"
-            f"  metrics        {metrics}\n"
-            f"  gate           {self.verdict.split('. ')[0]}\n"
-            f"  tracking store {self.tracking_uri}\n"
-            f"  see them with  gradline ui  (MLflow UI and Prefect UI on 127.0.0.1)"
-        )
-
-
-def _summarize(cfg: Config, root: Path, run_id: str, status: str, verdict: str = "") -> RunSummary:
-    """Build the summary from what MLflow recorded for `run_id`."""
-    tracking_uri = default_tracking_uri(root)
-    mlflow_client = client(tracking_uri)
-    run = mlflow_client.get_run(run_id)
-    name = cfg.registry.model_name
-    version = version_of_run(mlflow_client, name, run_id)
-    base = ui_base(tracking_uri, cfg.orchestrate.mlflow_ui_url)
-    return RunSummary(
-        status=status,
-        data_version=run.data.tags.get(TAG_DATA_VERSION, ""),
-        run_id=run_id,
-        run_url=run_url(base, run.info.experiment_id, run_id),
-        experiment=cfg.registry.experiment,
-        tracking_uri=redact_uri(tracking_uri),  # printed and published
-        model_name=name,
-        version=int(version.version),
-        version_url=model_version_url(base, name, int(version.version)),
-        alias=",".join(version.aliases) or "(none)",
-        metrics={
-            k: v
-            for k, v in run.data.metrics.items()
-            if k.startswith(("test_", "baseline_test_", "baseline_last_value_test_"))
-        },
-        verdict=verdict or version.description or "",
-    )
-
-
 @task(name="check-up-to-date", task_run_name="check-up-to-date")
 def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
-    """The last run's summary when data, params and code are all as it left them.
-
-    DVC decides what changed (`dvc status`: stage deps are the data source, the params
-    and the stages' code); the run itself must have finished and been registered.
-    """
-    from mlflow.exceptions import MlflowException  # deferred: importing mlflow costs ~1.6 s
-
-    logger = get_run_logger()
-    paths = Project(Path(root))
-    if not paths.train_result.is_file():
-        logger.info("no previous run in this project")
-        return None
-    changed = stale_stages(paths.root)
-    if changed:
-        logger.info("changed since the last run: %s", ", ".join(sorted(changed)))
-        return None
-    run_id = paths.read_train_result()["run_id"]
-    mlflow_client = client(default_tracking_uri(paths.root))
-    try:
-        finished = mlflow_client.get_run(run_id).info.status == "FINISHED"
-    except MlflowException:
-        finished = False
-    registered = is_gated(mlflow_client, cfg.registry.model_name, run_id)
-    if not (finished and registered):
-        logger.info("run %s is not finished and registered; completing it", run_id)
-        return None
-    return _summarize(cfg, paths.root, run_id, "skipped")
+    """The last run's summary when nothing changed since (training.mlops.summary)."""
+    return up_to_date_run(Path(root), cfg, stale_stages, get_run_logger().info)
 
 
 @task(name="register-model", task_run_name="register-model")
@@ -192,7 +82,7 @@ def register_trained(root: Path, cfg: Config, wait_s: float, say) -> RunSummary:
         cfg.task.card,
         sources,
     )
-    return _summarize(cfg, project.root, trained["run_id"], "completed", registration.verdict)
+    return summarize(cfg, project.root, trained["run_id"], "completed", registration.verdict)
 
 
 def _markdown(summary: RunSummary) -> str:

@@ -154,6 +154,24 @@ def test_dvc_agrees_with_the_flow(first_run) -> None:
         params.write_text(original)
 
 
+def test_an_unchanged_rerun_skips_without_starting_prefect_and_still_pushes(first_run) -> None:
+    """No Prefect server configured: the up-to-date check runs before one would start,
+    the push still puts back what the remote lost, and nothing becomes stale."""
+    project, _, _ = first_run
+    remote = Path(_dvc(project, "config", "remote.local.url").stdout.strip())
+    remote = remote if remote.is_absolute() else (project / ".dvc" / remote).resolve()
+    lost = next(p for p in sorted(remote.rglob("*")) if p.is_file())
+    lost.unlink()
+    proc = _gradline(project, "run")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_id = json.loads((project / "result.json").read_text())["run_id"]
+    assert f"nothing changed, up to date with run {run_id}" in proc.stdout
+    assert '"status": "skipped"' in proc.stdout
+    assert "temporary server" not in proc.stdout + proc.stderr  # no Prefect server started
+    assert lost.is_file()  # pushed again
+    assert "up to date" in _dvc(project, "status").stdout
+
+
 def test_second_run_adds_a_version_and_gates_the_champion(first_run) -> None:
     """A new job (another seed), trained sharded (FSDP2 over both ranks): registered,
     gated and loadable like any other; the layout is a tag of its run."""
