@@ -283,6 +283,22 @@ def test_a_checkpoint_pruned_while_it_ships_still_lands_whole(tmp_path) -> None:
     assert left == [".mlflow-step-00000005"]  # the shipped copy is gone, the newest waits
 
 
+def test_a_checkpoint_dropped_before_it_ships_is_skipped_and_nothing_is_left(tmp_path) -> None:
+    """The writer drops the oldest pending copy first: the shipper skips its record."""
+    from training.mlops.tracking import _ship, claim_pending, link_checkpoint
+
+    oldest = link_checkpoint(_save(tmp_path, 3, keep=1), keep=1)
+    link_checkpoint(_save(tmp_path, 4, keep=1), keep=1)  # drops step 3's copy
+    assert claim_pending(oldest) is None
+    record = {"kind": "checkpoint", "path": str(oldest), "name": "step-00000003", "step": 3}
+
+    class Client:  # any call would be a shipped record that should have been skipped
+        pass
+
+    _ship(Client(), "run", [{**record, "values": {}}], {})
+    assert sorted(p.name for p in tmp_path.glob(".mlflow-*")) == [".mlflow-step-00000004"]
+
+
 def test_tracker_links_the_checkpoint_and_ships_it_once(tmp_path) -> None:
     from training.mlops.tracking import _ship, link_checkpoint
 

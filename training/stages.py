@@ -11,20 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from training.atomic import write_json
-from training.data.ingest import ingest
 from training.data.manifest import read_manifest, split_digest
-from training.data.series import ingest_series, write_window_shards
-from training.data.shards import write_shards
-from training.evaluation import evaluate
-from training.mlops.drift import INCOMPARABLE, check_new_data
-from training.mlops.jobs import JobRequest, run_job
-from training.mlops.runs import evaluation_records, record_evaluation
-from training.mlops.sync import defer_evaluation, ship_if_answering
-from training.mlops.tracking import journal_history, metric_history
 from training.mlops.versioning import data_version
-from training.models.folder import load_model_dir
-from training.plots import plot_loss_curves
 from training.project import Project, read_train_result
+
+# Each stage imports what it needs when it runs: `gradline stage ingest` has no use for
+# the training engine (torch.distributed alone takes most of a second), nor evaluate
+# for the launcher. A stage process pays only for its own work.
 
 log = logging.getLogger("gradline")
 
@@ -34,6 +27,9 @@ def ingest_stage(
 ) -> dict[str, Any]:
     """Ingest, then profile the new snapshot into `profile` and compare it with the
     champion's data: the report gets a `drift` section (training.mlops.drift)."""
+    from training.data.ingest import ingest
+    from training.mlops.drift import check_new_data
+
     project = Project(root)
     cfg = project.config()
     if cfg.task.card.learns_series:
@@ -52,6 +48,9 @@ def _ingest_series(
 ) -> dict[str, Any]:
     """A time series snapshot (training.data.series). Drift is checked on tables and
     text only for now: the report says so, and the profile names the kind."""
+    from training.data.series import ingest_series
+    from training.mlops.drift import INCOMPARABLE
+
     result = ingest_series(cfg.data, root, out, quarantine, report)
     drift = {"status": INCOMPARABLE, "message": "time series: no drift check yet"}
     write_json(profile, {"kind": "series"})
@@ -61,6 +60,9 @@ def _ingest_series(
 
 
 def shard_stage(root: Path, raw: Path, out: Path) -> dict[str, Any]:
+    from training.data.series import write_window_shards
+    from training.data.shards import write_shards
+
     cfg = Project(root).config()
     if cfg.task.card.learns_series:  # windows split by time, not rows split by key
         task = cfg.task
@@ -85,6 +87,8 @@ def train_stage(
 ) -> dict[str, Any] | None:
     """Train on this node; on the node that ran rank 0, record the model and the result.
     `overrides` are the launch flags (nodes, rendezvous), never written to params.yaml."""
+    from training.mlops.jobs import JobRequest, run_job
+
     project = Project(root)
     cfg = project.config(overrides)
     request = JobRequest(
@@ -109,6 +113,13 @@ def evaluate_stage(
     root: Path, model_dir: Path, shards: Path, result: Path, metrics_out: Path, plots: Path
 ) -> dict[str, float]:
     """Score the trained model and its baseline on the test split; plots; log to MLflow."""
+    from training.evaluation import evaluate
+    from training.mlops.runs import evaluation_records, record_evaluation
+    from training.mlops.sync import defer_evaluation, ship_if_answering
+    from training.mlops.tracking import journal_history, metric_history
+    from training.models.folder import load_model_dir
+    from training.plots import plot_loss_curves
+
     project = Project(root)
     cfg = project.config()
     trained = read_train_result(result)

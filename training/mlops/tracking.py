@@ -301,31 +301,45 @@ def link_checkpoint(path: Path, keep: int = PENDING_CHECKPOINTS) -> Path:
     While the tracking server is down nothing ships, and the links would keep every
     pruned checkpoint's bytes on disk: only the newest `keep` pending folders stay (the
     shipper skips a record whose folder is gone; the run's metrics are all kept)."""
+    for leftover in path.parent.glob(".mlflow-pruned-*"):  # of a writer killed mid-prune
+        shutil.rmtree(leftover, ignore_errors=True)
     pending = path.with_name(f".mlflow-{path.name}")
-    shutil.rmtree(pending, ignore_errors=True)
+    _discard(pending)  # this step saved again (a retried attempt): the new files win
     pending.mkdir()
     for file in path.iterdir():
         if file.is_file():
             os.link(file, pending / file.name)
     waiting = sorted(path.parent.glob(".mlflow-step-*"))  # zero-padded: oldest first
     for old in waiting[: max(0, len(waiting) - keep)]:
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)
     return pending
 
 
-def claim_pending(pending: Path) -> Path | None:
-    """Take a pending checkpoint folder out of the writer's reach before shipping it, or
-    None when the writer pruned it first (the shipper skips that record).
+# The writer and the shipper each take a pending folder by renaming it, which is atomic:
+# exactly one of them gets it, and the other never touches it. Deleting in place would
+# not do: an rmtree under way keeps unlinking files of a folder renamed from under it,
+# and a copy of that folder failed half-way (a missing sha256.json), taking the job down.
 
-    The writer prunes `.mlflow-step-*` beyond its `keep` while the helper may be copying
-    one of them (a slow helper on a busy host): the copy then failed half-way and took the
-    job down. Renaming is atomic, so the folder is either pruned or the shipper's. A
-    claimed folder left by a killed shipper is shipped by the next one."""
+
+def _discard(folder: Path) -> None:
+    """The writer drops a pending folder, unless the shipper claimed it first."""
+    name = folder.name.removeprefix(".mlflow-")
+    doomed = folder.with_name(f".mlflow-pruned-{name}-{time.time_ns()}")
+    try:
+        folder.rename(doomed)
+    except FileNotFoundError:
+        return  # claimed (or never made)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def claim_pending(pending: Path) -> Path | None:
+    """The shipper takes a pending checkpoint folder before shipping it, or None when
+    the writer dropped it first (the shipper then skips that record). A folder claimed by
+    a killed shipper is shipped by the next one; the writer's folder of the same name (the
+    step saved again since) is left to its own, later record."""
     claimed = pending.with_name(pending.name.replace(".mlflow-", ".mlflow-shipping-", 1))
-    with contextlib.suppress(FileNotFoundError):
-        if claimed.exists():  # a killed shipper's claim, and the step saved again since
-            shutil.rmtree(pending)
-        else:
+    if not claimed.exists():
+        with contextlib.suppress(FileNotFoundError):
             pending.rename(claimed)
     return claimed if claimed.exists() else None
 
