@@ -30,27 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import fmt
-
-REPO = Path(__file__).resolve().parents[1]
-GENERATED = {"dvc.lock", "metrics.json", "result.json", "data/ingest.json"}
-
-
-def copy_project(root: Path) -> Path:
-    """The project's files as a clone has them, in a git repository of its own."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    for rel in listed:
-        if rel not in GENERATED and (REPO / rel).is_file():
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, root / rel)
-    git = ["git", "-c", "user.name=b", "-c", "user.email=b@localhost"]
-    subprocess.run([*git, "init", "-q"], cwd=root, check=True)
-    subprocess.run([*git, "add", "-A"], cwd=root, check=True)
-    subprocess.run([*git, "commit", "-qm", "copy"], cwd=root, check=True)
-    return root
+from benchmarks.common import copy_project, fmt
 
 
 def sweep(root: Path, *sets: str) -> float:
