@@ -52,6 +52,16 @@ def gpt_job(steps: int) -> dict:
     }
 
 
+def gpt2_job(steps: int) -> dict:
+    """GPT-2 small's shape (12 layers, 768 wide, context 1024) on bytes, compiled, bf16:
+    the MFU the engine logs for a job of that size (the head is small: 256 tokens)."""
+    job = gpt_job(steps)
+    job["model"].update(layers=12, heads=12, width=768, context=1024)
+    job["train"].update(batch_size=16, compile=True)
+    job["runtime"].update(checkpoint_every_steps=steps, log_every_steps=10)
+    return job
+
+
 def text_shards(folder: Path) -> Path:
     data = DataConfig(source="stdlib", max_bytes=2_000_000, split_by="document")
     raw = folder / "raw"
@@ -116,6 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--cpu", action="store_true", help="a dry run of the script here")
+    parser.add_argument("--gpt2-steps", type=int, default=0, help="also a GPT-2-small job")
     args = parser.parse_args()
     if not args.cpu:
         assert torch.cuda.is_available(), "no CUDA device: this check is for a GPU machine"
@@ -135,6 +146,9 @@ def main() -> None:
         tokens = plain.final["loop_steps"] * window
         figures["tokens_per_s"] = tokens / plain.final["loop_seconds"]
         figures["val_loss"] = loss
+        # What the job logged for its last interval (the engine's own FLOP count and peak).
+        figures["job_mfu"] = plain.final.get("mfu", float("nan"))
+        figures["job_tokens_per_s"] = plain.final.get("tokens_per_s", float("nan"))
         report("bf16", loss < UNIGRAM_NATS, f"val_loss {loss:.3f} vs unigram {UNIGRAM_NATS}")
 
         nan = run(job, shards, folder / "nan", faults="nan:rank=0:step=5")
@@ -160,6 +174,15 @@ def main() -> None:
             stopped_at is not None and record.get("step", 0) > 20 and same,
             f"stopped: {stopped_at!r:.80}; resumed record {record}; final weights close {same}",
         )
+        if args.gpt2_steps:
+            big = run(gpt2_job(args.gpt2_steps), shards, folder / "gpt2")
+            figures["gpt2_job_mfu"] = big.final.get("mfu", float("nan"))
+            figures["gpt2_job_tokens_per_s"] = big.final.get("tokens_per_s", float("nan"))
+            report(
+                "gpt2",
+                big.final["val_loss"] < UNIGRAM_NATS,
+                f"val_loss {big.final['val_loss']:.3f}",
+            )
     print(" ".join(f"{k}={v:.6g}" for k, v in figures.items()))
 
 

@@ -40,3 +40,34 @@ def test_sgd_with_momentum_fits_a_linear_target() -> None:
         loss().backward()
         group.step()
     assert loss().item() < first / 100
+
+
+def test_a_tensor_parallel_model_steps_where_torch_would_pick_foreach_kernels(
+    tmp_path, monkeypatch
+) -> None:
+    """The tensor plan leaves embeddings, norms and the head plain tensors beside DTensor
+    weights; on CUDA torch picks its foreach kernels, which refuse that mix (every step of
+    parallel.tp without dp_shard failed on an H200). Forced here as CUDA would choose."""
+    import importlib
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from training.engine.sharding import apply_tensor_parallel
+    from training.models.gpt import GPT
+
+    for name in ("torch.optim.adam", "torch.optim.sgd"):  # AdamW runs Adam's code
+        module = importlib.import_module(name)
+        monkeypatch.setattr(module, "_default_to_fused_or_foreach", lambda *a, **k: (False, True))
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = GPT(32, layers=1, heads=2, width=16, context=8, dropout=0.0, tied_embeddings=False)
+        apply_tensor_parallel(model, init_device_mesh("cpu", (1,)))
+        for optim in (OptimConfig(), OptimConfig(name="sgd", momentum=0.9)):
+            group = OptimizerGroup([model], optim)
+            model(torch.randint(0, 32, (2, 8))).sum().backward()
+            group.step()  # raised "got mixed torch.Tensor and DTensor" before
+            group.zero_grad()
+    finally:
+        dist.destroy_process_group()

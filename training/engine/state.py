@@ -32,6 +32,8 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def make_optimizer(params, optim: OptimConfig) -> torch.optim.Optimizer:
     """`optim.name`'s optimizer over `params`."""
+    params = list(params)
+    foreach = _foreach_choice(params)
     if optim.name == "sgd":
         momentum = optim.momentum
         return torch.optim.SGD(
@@ -40,8 +42,19 @@ def make_optimizer(params, optim: OptimConfig) -> torch.optim.Optimizer:
             momentum=momentum,
             nesterov=momentum > 0,
             weight_decay=optim.weight_decay,
+            foreach=foreach,
         )
-    return torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, foreach=foreach)
+
+
+def _foreach_choice(params: list[torch.Tensor]) -> bool | None:
+    """False when the parameters mix DTensors and plain tensors, else torch's own choice.
+    The tensor-parallel plan leaves embeddings, norms and the head whole, and the foreach
+    kernels torch picks on CUDA refuse such a mix ("got mixed torch.Tensor and DTensor":
+    every step of parallel.tp without dp_shard failed on a GPU). FSDP makes every
+    parameter a DTensor, and on a CPU torch loops over the tensors anyway."""
+    kinds = {isinstance(p, DTensor) for p in params}
+    return False if len(kinds) > 1 else None
 
 
 class OptimizerGroup:
