@@ -225,6 +225,23 @@ def _client(root: Path):
     return MlflowClient(tracking_uri=store, registry_uri=store)
 
 
+def assert_card_reports(root: Path, run_id: str, task: str, gate: str, higher: bool) -> None:
+    """The run's model card names the task and its gate metric, and shows that metric's
+    test value beside the baseline's as the run recorded them."""
+    import re
+
+    from training.mlops.model_card import read_card
+
+    card = read_card(f"sqlite:///{root / 'mlflow' / 'mlflow.db'}", run_id)
+    assert card is not None, "no model card was logged with the run"
+    assert re.search(rf"^\| task \| {re.escape(task)}\b", card, re.M), card[:1500]
+    direction = "higher" if higher else "lower"
+    assert f"| gate metric | {gate} ({direction} is better) |" in card, card[:1500]
+    metrics = _client(root).get_run(run_id).data.metrics
+    row = next(line for line in card.splitlines() if line.startswith(f"| {gate} |"))
+    assert f"{metrics[gate]:.4f}" in row and f"{metrics['baseline_' + gate]:.4f}" in row, row
+
+
 def assert_same_training(got, want, steps: int, loss_rtol: float, weight_atol: float) -> None:
     """Two jobs trained alike: `steps` losses each, equal within `loss_rtol`, and the same
     consolidated weights within `weight_atol` (got/want: (losses, name -> tensor))."""

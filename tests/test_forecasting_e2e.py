@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .conftest import _client, _gradline, copy_project
+from .conftest import _client, _gradline, assert_card_reports, copy_project
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -45,6 +45,7 @@ def test_co2_example_beats_seasonal_naive_and_forecasts_from_a_history_frame(
     assert "evaluation/forecast_vs_actual.png" in artifacts
     version = client.get_model_version_by_alias("gradline-co2", "champion")
     assert version.run_id == run_id
+    assert_card_reports(project, run_id, "forecasting", "test_mase", higher=False)
 
     store = f"sqlite:///{project / 'mlflow' / 'mlflow.db'}"
     mlflow.set_tracking_uri(store)

@@ -362,7 +362,7 @@ def test_clicks_dlrm_example_beats_both_baselines_and_serves_raw_ids(tmp_path):
 
     from training.data.clicks import COLUMNS
 
-    from .conftest import _client, _gradline
+    from .conftest import _client, _gradline, assert_card_reports
     from .test_e2e import _example_project, _pyfunc
 
     project, run_id = _example_project(
@@ -379,6 +379,7 @@ def test_clicks_dlrm_example_beats_both_baselines_and_serves_raw_ids(tmp_path):
     assert metrics["baseline_test_auc"] == stronger
     assert metrics["test_auc"] > stronger + 0.01
     assert metrics["test_normalized_entropy"] < 1.0
+    assert_card_reports(project, run_id, "click", "test_auc", higher=True)
     # The registered model scores rows of ids and dense features by column name.
     x, _ = clicks_rows(clicks_rows=50, clicks_users=2000, clicks_items=1000)
     rows = pd.DataFrame(x.astype(np.float64), columns=list(COLUMNS))
