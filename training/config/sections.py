@@ -153,6 +153,12 @@ class RuntimeConfig(Section):
     )
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     threads_per_worker: ThreadCount = Field(1, description="torch intra-op threads per rank")
+    pin_cpu_cores: bool = Field(
+        False,
+        description="pin each local rank to its own CPU cores (threads_per_worker of them, "
+        "local rank r from core r * threads_per_worker): no rank's threads migrate onto "
+        "another's core (CPU training, benchmarks)",
+    )
     loader_workers: WorkerCount = Field(0, ge=0, description="DataLoader worker processes per rank")
     log_every_steps: int = Field(50, ge=1, description="metrics and time breakdown interval")
     eval_every_steps: int | None = Field(

@@ -7,13 +7,15 @@ Format: `KIND:rank=R:step=S[:seconds=X][:attempt=A][:once=1][:steps=N]`, several
            even across launches (a crash that a retried task gets past)
   stall  - stop making progress at step S (sleeps `seconds`, default forever)
   slow   - from step S on, every step: sleep `seconds`, or with `factor=F` stretch the
-           step's compute F times (a slower device: the delay follows the rank's share,
-           and burns the rank's core as a slow device would, never sleeping)
+           rank's own work in the step (data, compute, optimizer; waiting excluded) F
+           times (a slower device: the delay follows the rank's share, and burns the
+           rank's core as a slow device would, never sleeping)
   term   - at step S (or the first after it), send SIGTERM to the launcher (this worker's
-           parent, once per attempt; with once=1 once in the job): a preemption
+           agent, once per attempt; with once=1 once in the job): a preemption
            notice, as a cluster manager gives, that the job saves and stops on
   hiccup - from step S on, with probability `prob` per step, stall for `factor` times the
-           step's compute (a transient straggler; a seeded draw per rank and step)
+           rank's own work in the step (a transient straggler; a seeded draw per rank
+           and step)
   fill   - at step S, fill the disk of the job's checkpoints (a file `fill-ballast` in the
            job's folder, written until the disk is full): a disk that fills up mid-run
   nan    - at step S, and for `steps` steps from it (default 1), the loss of this rank is
@@ -31,6 +33,8 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from training.engine.worker_start import launcher_pid
 
 ENV = "GRADLINE_FAULT"
 
@@ -110,8 +114,8 @@ class FaultPlan:
         if fault in self._fired:
             return
         self._fired.add(fault)
-        if fault.kind == "term":  # a preemption notice to the launcher (our parent)
-            os.kill(os.getppid(), signal.SIGTERM)
+        if fault.kind == "term":  # a preemption notice to the launcher
+            os.kill(launcher_pid(), signal.SIGTERM)
             return
         if self.record_dir is not None:  # when, for recovery-time measurements
             self.record_dir.mkdir(parents=True, exist_ok=True)
@@ -157,9 +161,9 @@ class FaultPlan:
             f.kind == "nan" and f.step <= step < f.step + f.steps for f in self.faults
         )
 
-    def stretch(self, step: int, compute_seconds: float) -> float:
-        """Seconds to add to a step whose compute took `compute_seconds` (slow with a
-        factor, hiccups); the caller sleeps them inside its compute phase."""
+    def stretch(self, step: int, own_seconds: float) -> float:
+        """Seconds to add to a phase of the rank's own work that took `own_seconds` (slow
+        with a factor, hiccups); the caller burns them in that phase."""
         if not self.active:
             return 0.0
         extra = 0.0
@@ -167,9 +171,9 @@ class FaultPlan:
             if step < fault.step:
                 continue
             if fault.kind == "slow" and fault.factor > 1:
-                extra += (fault.factor - 1) * compute_seconds
+                extra += (fault.factor - 1) * own_seconds
             elif fault.kind == "hiccup" and _draw(self.rank, step) < fault.prob:
-                extra += fault.factor * compute_seconds
+                extra += fault.factor * own_seconds
         return extra
 
 

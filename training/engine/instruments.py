@@ -46,14 +46,16 @@ class Instruments:
         self.last[name] = seconds
         self.times.add(name, seconds)
 
-    def stretch(self, step: int, own_compute: float) -> None:
-        """Injected slowness (faults `slow` with a factor, `hiccup`): the step's own
-        compute, waiting excluded, stretched as a slower device would, counted as compute."""
+    def stretch(self, step: int, own_seconds: float, phase: str = "compute") -> None:
+        """Injected slowness (faults `slow` with a factor, `hiccup`): the rank's own work
+        in `phase` of the step, waiting excluded, stretched as a slower device would and
+        counted in that phase. The loop stretches every phase of a rank's own work (data,
+        compute, optimizer), so a rank made twice as slow is twice as slow in all of it."""
         if not self.faults.active:
             return
-        extra = self.faults.stretch(step, own_compute)
+        extra = self.faults.stretch(step, own_seconds)
         burn(extra)  # the rank's own core, busy: not handed to the other ranks' threads
-        self.times.add("compute", extra)
+        self.times.add(phase, extra)
 
     def move(self, seconds: float, source: str, target: str) -> None:
         """Re-attribute time measured inside one phase to another (sync wait measured

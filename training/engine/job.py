@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from training.engine.tracker import TrackerFactory
+from training.engine.worker_start import LaunchContext
 
 
 @dataclass(frozen=True)
@@ -21,3 +22,6 @@ class TrainJob:
     # The control store (training.engine.control): set by the launcher.
     rdzv_endpoint: str = ""
     rdzv_id: str = ""
+    # The launcher's environment and output, for workers forked from a server that
+    # started earlier (training.engine.worker_start): set by the launcher.
+    launch: LaunchContext | None = None

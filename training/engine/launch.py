@@ -39,6 +39,7 @@ from training.engine.job import TrainJob
 from training.engine.jobdir import JobDir
 from training.engine.signing import job_secret
 from training.engine.worker import worker_main
+from training.engine.worker_start import LaunchContext, start_method
 from training.errors import (
     CRASH_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
@@ -190,7 +191,7 @@ def _launch_config(runtime: RuntimeConfig, control: Control, max_restarts: int) 
         },
         max_restarts=max_restarts,
         monitor_interval=0.5,
-        start_method="spawn",
+        start_method=start_method(),
         # SIGTERM is ours (a graceful stop request), not the agent's (kill the workers).
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
         local_addr=local_addr,
@@ -217,7 +218,11 @@ def launch_workers(
     control = control or open_control(runtime)
     faults = job.faults if job.faults is not None else os.environ.get(FAULT_ENV, "")
     job = dataclasses.replace(
-        job, rdzv_endpoint=control.endpoint, rdzv_id=control.job_id, faults=faults
+        job,
+        rdzv_endpoint=control.endpoint,
+        rdzv_id=control.job_id,
+        faults=faults,
+        launch=LaunchContext(),  # after every variable above is set
     )
     ranks = runtime.max_world_size
     with _stop_requests_go_to_the_store(control):

@@ -227,6 +227,7 @@ class Work:
     def _inputs(self, n: int, **extra) -> StepInputs:
         with self.inst.phase("data_wait", n):
             x, y = self.batches.get(n)
+        self.inst.stretch(n, self.inst.last["data_wait"], "data_wait")
         micro = self.cfg.train.grad_accum_steps
         return StepInputs(x, y, n, micro, **extra)
 
@@ -255,6 +256,7 @@ class Work:
         lr = lr_at(n, self.setup.total_steps, cfg.optim)
         with inst.phase("optimizer", n):
             stepped = layout.optimizer_step(lr, cfg.optim.grad_clip)
+        inst.stretch(n, inst.last["optimizer"], "optimizer")
         self.guard.record(n, stepped, lr)
         with inst.phase("sync_wait", n):  # local SGD / DiLoCo: average every H steps
             inst.times.bytes_sent += layout.after_step(n + 1)

@@ -29,11 +29,13 @@ from training.engine.loop import train
 from training.engine.signing import secret_from_environment
 from training.engine.topology import Topology, process_group
 from training.engine.tracker import make_tracker
+from training.engine.worker_start import adopt
 from training.errors import GradlineError
 
 
 @record  # a worker's exception reaches the launcher's error report
 def worker_main(job: TrainJob) -> dict[str, Any] | None:
+    adopt(job.launch)  # the launcher's environment and output (a forked worker has not)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     _die_with_the_agent()
     cfg = Config.model_validate(job.config)
@@ -42,6 +44,8 @@ def worker_main(job: TrainJob) -> dict[str, Any] | None:
     topo = topo.with_shape(cfg.parallel.degrees(topo.world_size))
     # N workers share the machine's cores: cap each so they don't oversubscribe.
     torch.set_num_threads(cfg.runtime.threads_per_worker)
+    if cfg.runtime.pin_cpu_cores:  # before any thread starts: threads inherit the mask
+        _pin_to_cores(topo.local_rank, cfg.runtime.threads_per_worker)
     _set_determinism(cfg, topo)
     job_dir = JobDir(Path(job.job_dir))
     control = Control.connect(
@@ -74,7 +78,9 @@ def _refuse_after_a_lasting_failure(control: Control) -> None:
 
 def _die_with_the_agent() -> None:
     """Linux: end this worker when its agent dies. A node whose agent was killed must
-    leave the job, not keep a rank training that no agent watches or restarts."""
+    leave the job, not keep a rank training that no agent watches or restarts. The
+    parent is the agent, or the forkserver it started (training.engine.worker_start),
+    which exits as soon as the agent is gone."""
     if sys.platform != "linux":
         return
     agent = os.getppid()  # may be 1 itself: the agent is PID 1 in many containers
@@ -92,6 +98,16 @@ def _exit_soon(seconds: float) -> None:
     timer = threading.Timer(seconds, os._exit, args=(1,))
     timer.daemon = True
     timer.start()
+
+
+def _pin_to_cores(local_rank: int, threads: int) -> None:
+    """Local rank r on cores r * threads .. (r + 1) * threads - 1 of those this process
+    may use (wrapping around when ranks outnumber them); Linux only, else nothing."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    mine = {cores[(local_rank * threads + i) % len(cores)] for i in range(threads)}
+    os.sched_setaffinity(0, mine)
 
 
 def _set_determinism(cfg: Config, topo: Topology) -> None:

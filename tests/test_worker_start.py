@@ -1,0 +1,100 @@
+"""Workers forked from a server that started earlier (training.engine.worker_start) see
+the launcher's environment and output of now, with torch elastic's variables kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from training.engine import worker_start
+from training.engine.worker_start import (
+    LaunchContext,
+    adopt,
+    launch_environment,
+    start_method,
+)
+
+
+def test_a_worker_takes_the_launchers_environment_and_keeps_what_elastic_set():
+    server = {"STALE": "from the server", "SAME": "1", "RANK": "0", "OMP_NUM_THREADS": "4"}
+    # A forked worker: the server's environment, then what elastic set for this worker.
+    current = {**server, "RANK": "0", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "job"}
+    launcher = {"SAME": "1", "NEW": "since the server started", "OMP_NUM_THREADS": "1"}
+    assert launch_environment(launcher, current, at_import=server) == {
+        "SAME": "1",
+        "NEW": "since the server started",
+        "OMP_NUM_THREADS": "1",  # the launcher's, not the server's
+        # elastic's, even RANK whose value equals the server's
+        "RANK": "0",
+        "LOCAL_RANK": "1",
+        "TORCHELASTIC_RUN_ID": "job",
+    }
+    # A spawned worker: it imported the engine in the launcher's environment already.
+    spawned = {**launcher, "RANK": "3"}
+    assert launch_environment(launcher, spawned, at_import=launcher) == spawned
+
+
+def _report(rank: int, context: LaunchContext, out: str) -> None:
+    """A worker: what elastic would set, then adopt, then report what it sees."""
+    os.environ["RANK"] = str(rank)
+    adopt(context)
+    print(f"worker {rank} writes to the launcher's stdout", flush=True)
+    keys = ("GRADLINE_TEST_PROBE", "GRADLINE_TEST_STALE", "RANK")
+    Path(out).write_text(json.dumps({k: os.environ.get(k) for k in keys}))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(sys.platform != "linux", reason="stdout is reattached through /proc")
+def test_a_worker_forked_by_an_older_server_sees_the_launcher_of_now(tmp_path, monkeypatch):
+    monkeypatch.delenv(worker_start.START_ENV, raising=False)
+    assert start_method() == "forkserver"
+    monkeypatch.setenv("GRADLINE_TEST_STALE", "the server keeps this")
+    first = tmp_path / "first.json"
+    mp.start_processes(_report, (LaunchContext(), str(first)), nprocs=1, start_method="forkserver")
+    assert json.loads(first.read_text())["GRADLINE_TEST_STALE"] == "the server keeps this"
+
+    # Since the server started: a variable set, one removed, and stdout moved elsewhere.
+    monkeypatch.setenv("GRADLINE_TEST_PROBE", "set after the server started")
+    monkeypatch.delenv("GRADLINE_TEST_STALE")
+    moved = tmp_path / "stdout.txt"
+    saved = os.dup(1)
+    sys.stdout.flush()
+    target = os.open(moved, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(target, 1)
+    try:
+        second = tmp_path / "second.json"
+        context = LaunchContext()
+        mp.start_processes(_report, (context, str(second)), nprocs=1, start_method="forkserver")
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(target)
+    seen = json.loads(second.read_text())
+    assert seen == {
+        "GRADLINE_TEST_PROBE": "set after the server started",
+        "GRADLINE_TEST_STALE": None,
+        "RANK": "0",
+    }
+    assert "worker 0 writes to the launcher's stdout" in moved.read_text()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
+def test_a_pinned_rank_runs_on_its_own_cores_only():
+    from training.engine.worker import _pin_to_cores
+
+    allowed = os.sched_getaffinity(0)
+    cores = sorted(allowed)
+    try:
+        _pin_to_cores(local_rank=1, threads=1)
+        assert os.sched_getaffinity(0) == {cores[1 % len(cores)]}
+        os.sched_setaffinity(0, allowed)
+        _pin_to_cores(local_rank=0, threads=2)  # wraps around when cores run out
+        assert os.sched_getaffinity(0) == {cores[0], cores[1 % len(cores)]}
+    finally:
+        os.sched_setaffinity(0, allowed)

@@ -1,0 +1,135 @@
+"""How worker processes start: forked from a server that imported the engine once.
+
+With torch elastic's default, `spawn`, every worker of every launch starts a fresh
+interpreter and imports torch and the engine (about 2.5 s of CPU each on a small
+machine). Here the workers come from multiprocessing's forkserver, which imports
+`training.engine.worker` once and forks a ready process per worker: a launch, an elastic
+restart after a failure, or the next job of a sweep in the same process starts its ranks
+in a fraction of a second.
+
+A forked worker inherits the server's state, not the launcher's state of now, so the
+launcher hands over what a spawned worker would have inherited (`LaunchContext`): its
+environment at launch (a test's or a sweep's changes since the server started) and,
+on Linux, its standard output and error (the server keeps those of the launcher's
+first launch; pytest replaces them for every test). `adopt` applies them first thing in
+the worker, keeping what torch elastic set for this worker itself.
+
+`GRADLINE_WORKER_START=spawn` goes back to spawning (and platforms without a forkserver
+always spawn).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import sys
+from dataclasses import dataclass, field
+
+START_ENV = "GRADLINE_WORKER_START"
+PRELOAD = ["training.engine.worker"]
+
+# This process's environment as it was when the engine was imported: in a forked worker,
+# the forkserver's; in a spawned one, the launcher's. Whatever differs from it by the
+# time the worker runs was set by torch elastic for this worker (its rank, the store).
+_ENVIRONMENT_AT_IMPORT = dict(os.environ)
+# What torch elastic sets for every worker (its agent's worker_env), kept as it set them
+# even where a value happens to equal the server's.
+_ELASTIC_KEYS = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """What a spawned worker would inherit from its launcher, captured at launch."""
+
+    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    launcher_pid: int = field(default_factory=os.getpid)
+
+
+_launcher_pid: int | None = None  # set in a worker by `adopt`
+
+
+def launcher_pid() -> int:
+    """The process that launched this worker (its agent): not always the parent, which
+    may be the forkserver."""
+    return _launcher_pid if _launcher_pid is not None else os.getppid()
+
+
+def start_method() -> str:
+    """`forkserver` with the engine preloaded, unless told to spawn or unavailable."""
+    wanted = os.environ.get(START_ENV, "forkserver")
+    if wanted != "forkserver" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    return "forkserver"
+
+
+def adopt(context: LaunchContext | None) -> None:
+    """In the worker, before anything reads the environment: the launcher's environment
+    with torch elastic's variables for this worker on top, and the launcher's output."""
+    global _launcher_pid
+    if context is None:
+        return
+    _launcher_pid = context.launcher_pid
+    merged = launch_environment(context.environ, dict(os.environ), _ENVIRONMENT_AT_IMPORT)
+    os.environ.clear()
+    os.environ.update(merged)
+    if os.getppid() != context.launcher_pid:  # forked by the server, not the launcher
+        _reattach_output(context.launcher_pid)
+
+
+def launch_environment(
+    launcher: dict[str, str], current: dict[str, str], at_import: dict[str, str]
+) -> dict[str, str]:
+    """The launcher's environment, with what torch elastic set in this worker on top:
+    whatever changed since the engine was imported here, and elastic's own keys."""
+    set_by_elastic = {
+        key: value
+        for key, value in current.items()
+        if at_import.get(key) != value or key in _ELASTIC_KEYS or key.startswith("TORCHELASTIC_")
+    }
+    return {**launcher, **set_by_elastic}
+
+
+def _reattach_output(launcher_pid: int) -> None:
+    """Point this process's stdout and stderr where the launcher's point now (Linux:
+    through /proc; elsewhere the server's are kept). Appending, never truncating."""
+    if sys.platform != "linux":
+        return
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):  # a socket, or the launcher is gone
+            target = os.open(f"/proc/{launcher_pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+            try:
+                if not _same_file(target, fd):
+                    _flush(fd)
+                    os.dup2(target, fd)
+            finally:
+                os.close(target)
+
+
+def _same_file(a: int, b: int) -> bool:
+    try:
+        first, second = os.fstat(a), os.fstat(b)
+    except OSError:
+        return False
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
+
+
+def _flush(fd: int) -> None:
+    stream = sys.stdout if fd == 1 else sys.stderr
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        stream.flush()
