@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import copy_project  # the tests' fresh clones
+from tests.servers import SharedPrefect
 from training.config import DataConfig, ShardConfig
 from training.data.ingest import ingest
 from training.data.shards import write_shards
@@ -41,6 +42,14 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped under CI ({CI_ENV}=1), where every test must run: {reason}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_prefect_server():
+    """The shared Prefect server (started by the first test that needs it) ends with the
+    test run: no process of the tests outlives them."""
+    yield
+    SharedPrefect.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -176,7 +185,10 @@ def first_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, str]
     project = copy_project(tmp_path_factory.mktemp("clone") / "gradline")
     with WebhookReceiver() as hook:  # the team's alert channel hears of the first champion
         notify = ["--set", "orchestrate.notify=env:TEAM_WEBHOOK"]
-        proc = _gradline(project, "run", *SMALL, *notify, env={"TEAM_WEBHOOK": hook.url})
+        # The embedded default: no server configured, a temporary one for the run.
+        proc = _gradline(
+            project, "run", *SMALL, *notify, env={"TEAM_WEBHOOK": hook.url}, shared_server=False
+        )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_id = json.loads((project / "result.json").read_text())["run_id"]
     _assert_alerted_iff_champion(hook, "-> alias 'champion'" in proc.stdout, 1, run_id)
@@ -192,20 +204,31 @@ def _assert_alerted_iff_champion(hook, champion: bool, version: int, run_id: str
         assert run_id in alert["blocks"][1]["text"]["text"] and "test_accuracy=" in str(alert)
 
 
-def _env(root: Path) -> dict[str, str]:
+def _env(root: Path, shared_server: bool = True) -> dict[str, str]:
+    """A user's environment for gradline in `root`: none of this machine's MLflow or
+    Prefect settings, no drill faults, the project's own PREFECT_HOME, and the test run's
+    shared Prefect server (tests/servers.py) unless the embedded default, a temporary
+    server per run, is what the test is about (`shared_server=False`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    env.pop("GRADLINE_FAULT", None)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
     env["PREFECT_HOME"] = str(root / ".prefect-home")
+    if shared_server:
+        env["PREFECT_API_URL"] = SharedPrefect.api()
     return env
 
 
 def _run(
-    root: Path, *cmd: str, timeout: int = 400, env: dict[str, str] | None = None
+    root: Path,
+    *cmd: str,
+    timeout: int = 400,
+    env: dict[str, str] | None = None,
+    shared_server: bool = True,
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
         cmd,
         cwd=root,
-        env={**_env(root), **(env or {})},
+        env={**_env(root, shared_server), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -213,9 +236,14 @@ def _run(
 
 
 def _gradline(
-    root: Path, *args: str, env: dict[str, str] | None = None
+    root: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: int = 400,
+    shared_server: bool = True,
 ) -> subprocess.CompletedProcess:
-    return _run(root, str(Path(sys.executable).parent / "gradline"), *args, env=env)
+    gradline = str(Path(sys.executable).parent / "gradline")
+    return _run(root, gradline, *args, timeout=timeout, env=env, shared_server=shared_server)
 
 
 def _client(root: Path):

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +35,7 @@ from training.data.profile import (
 )
 from training.mlops.drift import decide
 
-from .conftest import copy_project
+from .conftest import _gradline, copy_project
 
 # ---- the measures, by hand ------------------------------------------------------------
 
@@ -389,20 +386,6 @@ TINY = [
 ]
 
 
-def _gradline(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
-    env["PREFECT_HOME"] = str(root / ".prefect-home")
-    return subprocess.run(
-        [str(Path(sys.executable).parent / "gradline"), *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
-
-
 def _registry(client) -> tuple[list[str], str | None]:
     """(every version of the model, the one holding champion or None)."""
     versions = sorted(str(v.version) for v in client.search_model_versions(f"name='{MODEL}'"))
@@ -426,7 +409,7 @@ def test_new_data_with_a_shifted_feature_is_flagged_blocked_and_then_trained(tmp
     incoming = root / "data" / "incoming" / "table.parquet"
     _table(incoming, first=0, rows=600)
 
-    first = _gradline(root, "run")
+    first = _gradline(root, "run", timeout=500)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert _drift(root) == {
         "status": "no_champion",
@@ -445,7 +428,7 @@ def test_new_data_with_a_shifted_feature_is_flagged_blocked_and_then_trained(tmp
 
     # New data: other rows, x2 moved by 1.5 standard deviations.
     _table(incoming, first=10_000, rows=600, shift=1.5)
-    blocked = _gradline(root, "run", "--set", "orchestrate.drift=block")
+    blocked = _gradline(root, "run", "--set", "orchestrate.drift=block", timeout=500)
     assert blocked.returncode == 2, blocked.stdout[-3000:] + blocked.stderr[-3000:]
     drift = _drift(root)
     assert drift["status"] == "checked" and drift["champion"]["version"] == "1"
@@ -459,7 +442,7 @@ def test_new_data_with_a_shifted_feature_is_flagged_blocked_and_then_trained(tmp
     assert _registry(client) == before
     assert json.loads((root / "result.json").read_text())["run_id"] == run_1
 
-    warned = _gradline(root, "run", "--set", "orchestrate.drift=warn")
+    warned = _gradline(root, "run", "--set", "orchestrate.drift=warn", timeout=500)
     assert warned.returncode == 0, warned.stdout[-3000:] + warned.stderr[-3000:]
     run_2 = json.loads((root / "result.json").read_text())["run_id"]
     assert run_2 != run_1

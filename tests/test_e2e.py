@@ -162,7 +162,7 @@ def test_an_unchanged_rerun_skips_without_starting_prefect_and_still_pushes(firs
     remote = remote if remote.is_absolute() else (project / ".dvc" / remote).resolve()
     lost = next(p for p in sorted(remote.rglob("*")) if p.is_file())
     lost.unlink()
-    proc = _gradline(project, "run")
+    proc = _gradline(project, "run", shared_server=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_id = json.loads((project / "result.json").read_text())["run_id"]
     assert f"nothing changed, up to date with run {run_id}" in proc.stdout

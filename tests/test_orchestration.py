@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ import yaml
 
 from .conftest import REPO, WebhookReceiver, copy_project
 from .resume_checks import Resumed, assert_resume_tags, assert_resumed, job_of_run, stopped_steps
+from .servers import PrefectServer
+from .servers import stop_group as _stop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -37,59 +38,15 @@ SMALL = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen, sig: int) -> None:
-    """Stop a process group politely, then surely."""
-    os.killpg(proc.pid, sig)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A real Prefect server on 127.0.0.1 with its own database."""
-    home = tmp_path_factory.mktemp("prefect-server")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(
-        PREFECT_HOME=str(home),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        DO_NOT_TRACK="1",
-    )
-    log = (home / "server.log").open("w")
-    proc = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    api = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{api}/health", timeout=2) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()}")
-        time.sleep(0.5)
+    """A real Prefect server on 127.0.0.1 with its own database, for this module."""
+    prefect = PrefectServer(tmp_path_factory.mktemp("prefect-server"))
+    prefect.start()
     try:
-        yield api
+        yield prefect.api
     finally:
-        _stop(proc, signal.SIGTERM)
-        log.close()
+        prefect.stop()
 
 
 def _client(api: str):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.servers import running_prefect_server, wait_for
 from tests.test_orchestration import BIN, _env, _processes_marked, _project
-from tests.test_watchdog import _wait_for, running_prefect_server
 
 from .resume_checks import Resumed, assert_resumed, job_of_run, resumes_of
 
@@ -64,7 +64,7 @@ def _start_run(root, server, tmp_path, mark: str, **extra: str):
         assert run.poll() is None, log_path.read_text()
         return any(root.glob("checkpoints/*/step-*[0-9]"))
 
-    _wait_for("training is under way", training, 300, log_path.read_text)
+    wait_for("training is under way", training, 300, log_path.read_text)
     return run, log_path
 
 
@@ -191,7 +191,7 @@ class _Served:
             except ObjectNotFound:
                 return None
 
-        nightly, _ = _wait_for("the deployment is served", deployment, 120)
+        nightly, _ = wait_for("the deployment is served", deployment, 120)
         flow_run = self.client.create_flow_run_from_deployment(nightly.id)
 
         def trained_beyond() -> bool:
@@ -199,12 +199,12 @@ class _Served:
             steps = [int(p.name.split("-")[1]) for p in self.root.glob("checkpoints/*/step-*[0-9]")]
             return max(steps, default=-1) > after_step
 
-        _wait_for("the served run trains", trained_beyond, 300, self.output)
+        wait_for("the served run trains", trained_beyond, 300, self.output)
         return flow_run.id
 
     def wait_cancelled(self, flow_run_id) -> float:
         state = lambda: self.client.read_flow_run(flow_run_id).state  # noqa: E731
-        _, took = _wait_for(
+        _, took = wait_for(
             "the run is Cancelled", lambda: state().type.value == "CANCELLED", 180, self.output
         )
         return took
@@ -222,7 +222,7 @@ class _Served:
         def serve_only() -> bool:
             return all(_argv(pid)[-1:] in ([b"serve"], []) for pid in _processes_marked(mark))
 
-        _wait_for(
+        wait_for(
             "the run's processes end",
             serve_only,
             30,

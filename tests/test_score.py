@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,28 +34,11 @@ from training.mlops.tracking import client, ensure_experiment
 from training.models.folder import ModelSpec, save_model_dir
 from training.models.registry import build_model
 
-from .conftest import copy_project
+from .conftest import _gradline, _run, copy_project
 
 MODEL = "gradline-digits"
 PIXELS = [f"f{i}" for i in range(64)]
 TINY = ["data.max_rows=400", "train.epochs=10", "runtime.procs_per_node=1", "model.hidden=32"]
-
-
-def _env(root: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
-    env["PREFECT_HOME"] = str(root / ".prefect-home")
-    return env
-
-
-def _run(root: Path, *cmd: str, timeout: int = 400) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        cmd, cwd=root, env=_env(root), capture_output=True, text=True, timeout=timeout
-    )
-
-
-def _gradline(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return _run(root, str(Path(sys.executable).parent / "gradline"), *args)
 
 
 def _store(root: Path) -> str:

@@ -12,7 +12,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from tasks.slot_lease import SlotLease
-from tests.test_watchdog import _wait_for, running_prefect_server
+from tests.servers import running_prefect_server, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 LEASE_S = 60  # the server's shortest lease
@@ -54,7 +54,7 @@ def test_slots_stay_held_through_an_outage_longer_than_the_lease(prefect_server,
             # The server's repossessor frees lapsed leases every 15 s; the keeper renews
             # every 5 s. Whichever comes first, the job must end up holding its slot.
             time.sleep(30)
-            _wait_for("the job holds its slot", lambda: job.lease_id is not None, 60)
+            wait_for("the job holds its slot", lambda: job.lease_id is not None, 60)
             assert not _rival_gets_the_slot(limit), caplog.text
         # The job ended: its slot is free at once, not after a lease lapses.
         assert _rival_gets_the_slot(limit)

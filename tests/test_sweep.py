@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import shutil
 import signal
 import subprocess
@@ -37,7 +36,7 @@ from training.mlops.sweep.study import (
     recover,
 )
 
-from .conftest import REPO, assert_drawn, copy_project
+from .conftest import REPO, _client, _env, _gradline, assert_drawn, copy_project
 
 
 def _devices() -> int:
@@ -256,29 +255,6 @@ def test_apply_writes_the_best_keys_keeping_comments(project) -> None:
 
 
 # --- end to end ---------------------------------------------------------------------------
-
-
-def _env(root: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
-    env.pop("GRADLINE_FAULT", None)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
-    env["PREFECT_HOME"] = str(root / ".prefect-home")
-    return env
-
-
-def _gradline(root: Path, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
-    command = [str(Path(sys.executable).parent / "gradline"), *args]
-    proc = subprocess.run(
-        command, cwd=root, env=_env(root), capture_output=True, text=True, timeout=timeout
-    )
-    return proc
-
-
-def _client(root: Path):
-    from mlflow.tracking import MlflowClient
-
-    store = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
-    return MlflowClient(tracking_uri=store, registry_uri=store)
 
 
 def _study(root: Path, name: str = "sweep") -> optuna.Study:

@@ -8,92 +8,20 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 from prefect.client.schemas.sorting import FlowRunSort
 
-from flows.environment import OFFLINE_DEFAULTS
 from tests.conftest import WebhookReceiver
-from tests.test_orchestration import BIN, _env, _free_port, _processes_marked, _project, _stop
+from tests.servers import running_prefect_server, wait_for
+from tests.test_orchestration import BIN, _env, _processes_marked, _project
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
-
-
-class PrefectServer:
-    """`prefect server start` on 127.0.0.1 with gradline's settings (leases on disk), which
-    a test can stop and start again on the same port and database."""
-
-    def __init__(self, home: Path) -> None:
-        self.home, self.port = home, _free_port()
-        self.api = f"http://127.0.0.1:{self.port}/api"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-        env.update(OFFLINE_DEFAULTS, PREFECT_HOME=str(self.home))
-        cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1"]
-        with (self.home / "server.log").open("a") as log:
-            self.proc = subprocess.Popen(
-                [*cmd, "--port", str(self.port)],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + 120
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"prefect server did not start:\n{self.log()}")
-            time.sleep(0.5)
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.api}/health", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            _stop(self.proc, signal.SIGTERM)
-            self.proc = None
-
-    def log(self) -> str:
-        return (self.home / "server.log").read_text()
-
-    def client(self):
-        from prefect.client.orchestration import SyncPrefectClient
-
-        return SyncPrefectClient(api=self.api)
 
 
 @pytest.fixture
 def prefect_server(tmp_path):
     yield from running_prefect_server(tmp_path)
-
-
-def running_prefect_server(tmp_path):
-    """A started PrefectServer, stopped after the test whatever happens in it."""
-    (home := tmp_path / "prefect-server").mkdir()
-    server = PrefectServer(home)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def _wait_for(what: str, check, seconds: float, context=lambda: ""):
-    """Poll `check` until it returns something true; that value and the seconds taken."""
-    start = time.monotonic()
-    while not (value := check()):
-        if time.monotonic() - start > seconds:
-            pytest.fail(f"{what}: not within {seconds:g} s\n{context()[-6000:]}")
-        time.sleep(1)
-    return value, time.monotonic() - start
 
 
 def test_a_run_killed_without_a_word_frees_its_slots_is_crashed_and_alerts(
@@ -136,11 +64,11 @@ def test_a_run_killed_without_a_word_frees_its_slots_is_crashed_and_alerts(
                 assert run.poll() is None, output()
                 return "holding 1 slots" in output()
 
-            _wait_for("the run holds its slot", holding, 300, output)
+            wait_for("the run holds its slot", holding, 300, output)
             with server.client() as client:
                 (flow_run,) = client.read_flow_runs(limit=10, sort=FlowRunSort.START_TIME_DESC)
                 # Alive long enough for a heartbeat after the watchdogs were registered.
-                _wait_for("a heartbeat", lambda: _heartbeats(client, flow_run.id) >= 2, 120)
+                wait_for("a heartbeat", lambda: _heartbeats(client, flow_run.id) >= 2, 120)
             for pid in _processes_marked(mark):  # the machine is lost: all of it at once
                 os.kill(pid, signal.SIGKILL)
             killed_at = time.monotonic()
@@ -148,7 +76,7 @@ def test_a_run_killed_without_a_word_frees_its_slots_is_crashed_and_alerts(
             server.start()
             with server.client() as client:
                 assert client.read_flow_run(flow_run.id).state.type.value == "RUNNING"
-                _wait_for(
+                wait_for(
                     "the leaked slot comes back",
                     lambda: client.read_global_concurrency_limit_by_name(limit).active_slots == 0,
                     lease_s + 60,
@@ -156,10 +84,10 @@ def test_a_run_killed_without_a_word_frees_its_slots_is_crashed_and_alerts(
                 )
                 freed = time.monotonic() - killed_at
                 state = lambda: client.read_flow_run(flow_run.id).state  # noqa: E731
-                _wait_for("marked Crashed", lambda: state().type.value == "CRASHED", 240)
+                wait_for("marked Crashed", lambda: state().type.value == "CRASHED", 240)
                 crashed = time.monotonic() - killed_at
                 assert "no heartbeat" in state().message
-            alerts, _ = _wait_for("the crash alert", lambda: list(hook.bodies), 60)
+            alerts, _ = wait_for("the crash alert", lambda: list(hook.bodies), 60)
         print(f"after the kill: slot back in {freed:.0f} s, flow run Crashed in {crashed:.0f} s")
         (alert,) = alerts
         assert alert["text"].startswith(f":boom: gradline flow run `{flow_run.name}` crashed")
@@ -214,7 +142,7 @@ def test_a_run_killed_on_a_temporary_server_leaks_nothing_the_next_run_needs(tmp
             assert first.poll() is None, output()
             return "holding 1 slots" in output() and any(root.glob("checkpoints/*/step-*[0-9]"))
 
-        _wait_for("the first run trains", checkpointed, 300, output)
+        wait_for("the first run trains", checkpointed, 300, output)
         for pid in _processes_marked(mark):  # all of it at once, its Prefect server too
             os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -258,7 +186,7 @@ def test_a_schedule_with_no_successful_run_is_reported_stale(
         monkeypatch.setenv("TEAM_WEBHOOK", hook.url)
         nightly = pipeline.to_deployment(name="nightly", schedules=[Cron("0 2 * * *")])
         _register_watchdogs(root, [nightly])
-        (alert,), took = _wait_for("the stale alert", lambda: list(hook.bodies), 60)
+        (alert,), took = wait_for("the stale alert", lambda: list(hook.bodies), 60)
     print(f"stale schedule reported {took:.0f} s after registering (window 11 s)")
     assert alert["text"].startswith(
         ":hourglass: gradline deployment `gradline/nightly` has had no successful run"

@@ -1,0 +1,140 @@
+"""Real servers on 127.0.0.1 for the tests: a Prefect server a test can stop and start
+again, and one Prefect server shared by the whole test run.
+
+A `gradline run` with no Prefect server configured starts a temporary one (seconds of
+start-up, more on a fresh database). The end-to-end tests whose subject is not that
+temporary server point their runs at the shared one instead (conftest's `_env`), as a
+team's machines share theirs; the embedded default keeps its own tests.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from flows.environment import OFFLINE_DEFAULTS
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Stop a process group politely, then surely."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        proc.wait()
+        return
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_for(what: str, check, seconds: float, context=lambda: ""):
+    """Poll `check` until it returns something true; that value and the seconds taken."""
+    start = time.monotonic()
+    while not (value := check()):
+        if time.monotonic() - start > seconds:
+            pytest.fail(f"{what}: not within {seconds:g} s\n{context()[-6000:]}")
+        time.sleep(1)
+    return value, time.monotonic() - start
+
+
+class PrefectServer:
+    """`prefect server start` on 127.0.0.1 with gradline's settings (leases on disk), which
+    a test can stop and start again on the same port and database."""
+
+    def __init__(self, home: Path) -> None:
+        self.home, self.port = home, free_port()
+        self.api = f"http://127.0.0.1:{self.port}/api"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env.update(OFFLINE_DEFAULTS, PREFECT_HOME=str(self.home))
+        cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1"]
+        with (self.home / "server.log").open("a") as log:
+            self.proc = subprocess.Popen(
+                [*cmd, "--port", str(self.port)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 120
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"prefect server did not start:\n{self.log()}")
+            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc, signal.SIGTERM)
+            self.proc = None
+
+    def log(self) -> str:
+        return (self.home / "server.log").read_text()
+
+    def client(self):
+        from prefect.client.orchestration import SyncPrefectClient
+
+        return SyncPrefectClient(api=self.api)
+
+
+def running_prefect_server(tmp_path: Path):
+    """A started PrefectServer of the test's own, stopped after it whatever happens."""
+    (home := tmp_path / "prefect-server").mkdir()
+    server = PrefectServer(home)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class SharedPrefect:
+    """The Prefect server of the whole test run: started on first use, stopped when the
+    run ends (conftest)."""
+
+    server: PrefectServer | None = None
+
+    @classmethod
+    def api(cls) -> str:
+        if cls.server is None:
+            home = Path(tempfile.mkdtemp(prefix="gradline-tests-prefect-"))
+            server = PrefectServer(home)
+            server.start()
+            cls.server = server
+        return cls.server.api
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.server is not None:
+            cls.server.stop()
+            shutil.rmtree(cls.server.home, ignore_errors=True)
+            cls.server = None
