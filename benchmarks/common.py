@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import subprocess
 import time
@@ -15,6 +16,13 @@ from training.data.shards import write_shards
 REPO = Path(__file__).resolve().parents[1]
 # Run outputs that a checkout may hold but a fresh clone does not.
 GENERATED = {"dvc.lock", "metrics.json", "result.json", "data/ingest.json"}
+
+
+def use_throwaway_signing_key() -> None:
+    """Benchmarks keep their jobs in temporary folders outside any project, where only
+    GRADLINE_SIGNING_KEY gives checkpoints a key (training.signing): one made for this
+    process, never stored, unless one is set."""
+    os.environ.setdefault("GRADLINE_SIGNING_KEY", os.urandom(32).hex())
 
 
 def copy_project(root: Path) -> Path:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import fmt, launch_local, make_synthetic_shards
+from benchmarks.common import fmt, launch_local, make_synthetic_shards, use_throwaway_signing_key
 from training.config import Config
 from training.data.loader import open_reader
 from training.data.manifest import read_manifest
@@ -114,6 +114,7 @@ class Bench:
 
 
 def main() -> None:
+    use_throwaway_signing_key()
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--hidden", type=int, default=1024)

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 
 import torch
 
+from benchmarks.common import use_throwaway_signing_key
 from training.config import Config, DataConfig, ShardConfig
 from training.data.ingest import ingest
 from training.data.shards import write_shards
@@ -130,7 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.cpu:
         assert torch.cuda.is_available(), "no CUDA device: this check is for a GPU machine"
-    os.environ.setdefault("GRADLINE_SIGNING_KEY", os.urandom(32).hex())
+    use_throwaway_signing_key()
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

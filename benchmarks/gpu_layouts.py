@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from benchmarks.common import use_throwaway_signing_key
 from training.config import OptimConfig
 from training.engine.checkpoint import Checkpointer, find_latest, load_into
 from training.engine.pipeline import Pipeline, cut_stage
@@ -202,7 +203,7 @@ def main() -> None:
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
-    os.environ.setdefault("GRADLINE_SIGNING_KEY", "00" * 32)  # a throwaway key for this check
+    use_throwaway_signing_key()
     backend = "cpu:gloo,cuda:nccl" if on_gpu else "gloo"
     dist.init_process_group(backend, rank=0, world_size=1, device_id=device if on_gpu else None)
     mesh = init_device_mesh(device.type, (1, 1, 1), mesh_dim_names=("pp", "dp_shard", "tp"))

@@ -23,7 +23,7 @@ import argparse
 import statistics
 import time
 
-from benchmarks.common import fmt, launch_local
+from benchmarks.common import fmt, launch_local, use_throwaway_signing_key
 
 MODEL = {
     "name": "gpt",
@@ -165,6 +165,7 @@ def measure(name: str, steps: int) -> dict[str, float]:
 
 
 def main() -> None:
+    use_throwaway_signing_key()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
