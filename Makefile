@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 # torch first, pinned to the CPU build this machine serves; the project's range admits it,
 # so pip keeps it instead of fetching a multi-GB CUDA build.
 TORCH := torch==2.13.0
+# Test processes (pytest-xdist); a file's tests stay in one, so module set-up runs once.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 export DO_NOT_TRACK := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
@@ -29,11 +32,11 @@ test: $(VENV)/.installed-dev browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q --durations=15
+	$(PYTEST) --durations=25
 
 # The fast tier: unit tests only (no worker processes, no CLI end to end), ~2 minutes.
 test-fast: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q -m "not multiprocess and not e2e"
+	$(PYTEST) -m "not multiprocess and not e2e" --durations=10
 
 # The UI test renders the UIs in a headless Chromium. Installed with apt-get when it is
 # missing and this user may; otherwise say how (under CI the test would fail, not skip).
