@@ -242,10 +242,14 @@ def test_losing_a_node_the_job_goes_on_with_the_other(tiny_shards, tmp_path) -> 
     # closes as soon as it joins): on a loaded host the second can take over 30 s to
     # start, and a kill before it joined would lose no node and prove nothing.
     first, second = (cluster.node(n, rdzv_last_call_s=120) for n in ("node-a", "node-b"))
-    slow = {"GRADLINE_FAULT": "slow:rank=-1:step=0:seconds=0.1"}
-    proc_a = cluster.start(first, *flags, **slow)
+    slow = "slow:rank=-1:step=0:seconds=0.1"
+    proc_a = cluster.start(first, *flags, GRADLINE_FAULT=slow)
     _wait_for_port(endpoint, proc_a)  # the first node serves the rendezvous store
-    proc_b = cluster.start(second, *flags, **slow)
+    # The second node stops at step 20, after two checkpoints of both nodes, until the
+    # kill: on a loaded host a checkpoint can land on disk late, and a kill after the last
+    # step would find the first node past training, waiting for its peer's exit.
+    stall = f"{slow};stall:rank=-1:step=20"
+    proc_b = cluster.start(second, *flags, GRADLINE_FAULT=stall)
     deadline = time.monotonic() + 240
     while not _checkpoint_of_two_ranks(cluster.checkpoints):  # both nodes at work
         log = (first / "node.log").read_text()[-2000:]

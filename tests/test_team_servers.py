@@ -218,7 +218,8 @@ def team_run(servers, tmp_path_factory) -> tuple[Path, subprocess.CompletedProce
     (root, the CLI's output, run id)."""
     root = copy_project(tmp_path_factory.mktemp("team") / "gradline")
     _use_team_remote(root, servers)
-    env = _env(root) | {
+    # Its own temporary Prefect server: the test reads that server's database for leaks.
+    env = _env(root, shared_server=False) | {
         "MLFLOW_TRACKING_URI": servers.tracking_uri,
         "MLFLOW_TRACKING_USERNAME": TRAINER,
         "MLFLOW_TRACKING_PASSWORD": servers.trainer_password,
