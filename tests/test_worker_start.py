@@ -3,9 +3,13 @@ the launcher's environment and output of now, with torch elastic's variables kep
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +102,60 @@ def test_a_pinned_rank_runs_on_its_own_cores_only():
         assert os.sched_getaffinity(0) == {cores[0], cores[1 % len(cores)]}
     finally:
         os.sched_setaffinity(0, allowed)
+
+
+def _worker_that_waits(rank: int, context: LaunchContext, out: str) -> None:
+    """A worker as the engine starts one (adopt, then die with the agent), that waits."""
+    from training.engine.worker import _die_with_the_agent
+
+    adopt(context)
+    _die_with_the_agent()
+    Path(out).write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+LAUNCHER = """
+import sys
+import torch.multiprocessing as mp
+from training.engine.worker_start import LaunchContext, start_method
+from tests.test_worker_start import _worker_that_waits
+mp.start_processes(
+    _worker_that_waits, (LaunchContext(), sys.argv[1]), nprocs=1, start_method=start_method()
+)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: it runs nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(sys.platform != "linux", reason="a worker dies with its agent on Linux")
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_worker_dies_with_its_launcher_however_it_was_started(tmp_path, method):
+    # The forkserver outlives a killed launcher (its workers hold its liveness pipe), so a
+    # forked worker cannot rely on its parent's death: a lost node would keep training.
+    out = tmp_path / "worker.pid"
+    env = {**os.environ, worker_start.START_ENV: method}
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(out)], cwd=Path(__file__).parent.parent, env=env
+    )
+    deadline = time.monotonic() + 90
+    while not out.is_file() or not out.read_text():
+        assert launcher.poll() is None and time.monotonic() < deadline, "no worker started"
+        time.sleep(0.1)
+    worker = int(out.read_text())
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=30)
+    try:
+        while not _gone(worker):
+            assert time.monotonic() < deadline, f"worker {worker} outlived its launcher"
+            time.sleep(0.1)
+    finally:  # never left behind, whatever the outcome
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import select
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ from training.engine.loop import train
 from training.engine.signing import secret_from_environment
 from training.engine.topology import Topology, process_group
 from training.engine.tracker import make_tracker
-from training.engine.worker_start import adopt
+from training.engine.worker_start import adopt, launcher_pid
 from training.errors import GradlineError
 
 
@@ -78,17 +80,50 @@ def _refuse_after_a_lasting_failure(control: Control) -> None:
 
 def _die_with_the_agent() -> None:
     """Linux: end this worker when its agent dies. A node whose agent was killed must
-    leave the job, not keep a rank training that no agent watches or restarts. The
-    parent is the agent, or the forkserver it started (training.engine.worker_start),
-    which exits as soon as the agent is gone."""
+    leave the job, not keep a rank training that no agent watches or restarts."""
     if sys.platform != "linux":
         return
-    agent = os.getppid()  # may be 1 itself: the agent is PID 1 in many containers
+    agent, parent = launcher_pid(), os.getppid()  # the agent may be PID 1 (containers)
     pr_set_pdeathsig = 1
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != agent:  # the agent died before prctl took effect
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)  # when the parent dies
+    if parent != agent:
+        # Forked by the forkserver (training.engine.worker_start), which outlives the
+        # agent: every worker it forked holds its liveness pipe open. Watch the agent.
+        _kill_this_worker_when_gone(agent)
+    if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def _kill_this_worker_when_gone(pid: int) -> None:
+    """A daemon thread that SIGKILLs this process once process `pid` has exited (as
+    PR_SET_PDEATHSIG would for a parent): a pidfd where Linux has one, else polling."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)  # gone already
+    except (AttributeError, OSError):  # an old kernel or Python: poll instead
+        pidfd = None
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])  # readable once the process has exited
+        else:
+            while _exists(pid):
+                time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="agent-watch", daemon=True).start()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _exit_soon(seconds: float) -> None:
