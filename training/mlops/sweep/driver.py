@@ -268,7 +268,7 @@ def _keys(params: dict[str, Any]) -> str:
 def _quiet_thread_launch_warning() -> None:
     """torch's elastic agent warns that, started off the main thread, it cannot take the
     stop signals. Here the driver takes them and stops each job through its control
-    store, and workers die with their trial's thread (PR_SET_PDEATHSIG): not a risk."""
+    store, and workers die with the driver's process (training.engine.worker): not a risk."""
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     if not any(isinstance(f, _ChildThreadWarning) for f in logger.filters):
         logger.addFilter(_ChildThreadWarning())
