@@ -220,6 +220,27 @@ def test_dataloader_workers_yield_the_same_batches_in_order(tiny_shards) -> None
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
+def test_small_batches_gathered_in_groups_are_the_batches_gathered_one_by_one(
+    tiny_shards, monkeypatch
+) -> None:
+    """The loader gathers small batches several at a time (one gather's fixed cost
+    amortised): the same rows in the same order as one gather per batch."""
+    import training.data.loader as loader_module
+
+    manifest = read_manifest(tiny_shards)
+    reader = open_reader(tiny_shards, manifest, "train")
+    loader = RankLoader(reader, rank=0, world_size=2, global_batch=16, seed=5)
+
+    def batches(small_batch_bytes: int) -> list:
+        monkeypatch.setattr(loader_module, "SMALL_BATCH_BYTES", small_batch_bytes)
+        return list(loader.batches(epoch=1, start=1, every=2))
+
+    grouped, single = batches(1 << 30), batches(0)
+    assert len(grouped) == len(single) == len(range(1, loader.batches_per_epoch, 2))
+    for (xa, ya), (xb, yb) in zip(grouped, single, strict=True):
+        assert np.array_equal(xa, xb) and np.array_equal(ya, yb)
+
+
 def test_manifest_of_images_describes_classes_without_statistics(tiny_shards) -> None:
     manifest = read_manifest(tiny_shards)
     assert manifest["version"] == MANIFEST_VERSION

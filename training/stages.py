@@ -87,10 +87,13 @@ def train_stage(
 ) -> dict[str, Any] | None:
     """Train on this node; on the node that ran rank 0, record the model and the result.
     `overrides` are the launch flags (nodes, rendezvous), never written to params.yaml."""
-    from training.mlops.jobs import JobRequest, run_job
+    from training.engine.worker_start import start_worker_server
 
     project = Project(root)
     cfg = project.config(overrides)
+    start_worker_server()  # the workers' imports overlap this process's own set-up
+    from training.mlops.jobs import JobRequest, run_job
+
     request = JobRequest(
         cfg, shards, checkpoints, model_dir, root=root, tracking_uri=project.tracking_uri
     )

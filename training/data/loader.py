@@ -26,7 +26,7 @@ from training.errors import DataError
 
 LOADER_STATE_VERSION = 1
 # Batches of at most SMALL_BATCH_BYTES are gathered in groups of up to SMALL_GROUP_BYTES.
-SMALL_BATCH_BYTES = 64 << 10
+SMALL_BATCH_BYTES = 128 << 10
 SMALL_GROUP_BYTES = 1 << 20
 
 

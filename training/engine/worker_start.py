@@ -78,6 +78,16 @@ def start_method() -> str:
     return "forkserver"
 
 
+def start_worker_server() -> None:
+    """Start the forkserver now, where workers will start from it: it imports the engine
+    in its own process while this one goes on (the train stage opens its MLflow run
+    meanwhile), instead of at the first launch, with the launcher waiting."""
+    if start_method() == "forkserver":
+        import multiprocessing.forkserver  # Unix only, as the method itself
+
+        multiprocessing.forkserver.ensure_running()
+
+
 def adopt(context: LaunchContext | None) -> None:
     """In the worker, before anything reads the environment: the launcher's environment
     with torch elastic's variables for this worker on top, and the launcher's output."""
