@@ -34,7 +34,8 @@ test: $(VENV)/.installed-dev browser
 	$(BIN)/lint-imports
 	$(PYTEST) --durations=25
 
-# The fast tier: unit tests only (no worker processes, no CLI end to end), ~2 minutes.
+# The fast tier: unit and single-process tests (no worker processes, no CLI end to end),
+# under 2 minutes on 2 cores.
 test-fast: $(VENV)/.installed-dev
 	$(PYTEST) -m "not multiprocess and not e2e" --durations=10
 
