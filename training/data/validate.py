@@ -231,93 +231,117 @@ class Validator:
             return self._plan_builtin(schema)
         cfg = self.cfg
         names = schema.names
-        problems: list[str] = []
+        label = cfg.label_column if self.labelled else None
+        problems = self._named_column_problems(origin, schema, label)
+        used = {label, cfg.key_column}
+        features: tuple[str, ...] | None = None
+        if cfg.tensor_column:
+            used.add(cfg.tensor_column)
+            problems += self._tensor_problems(schema)
+        else:
+            features = self._feature_columns_of(names, used)
+            used.update(features)
+            problems += self._feature_problems(schema, features)
+        if problems:
+            raise DataError(f"{origin}: " + "; ".join(problems))
+        plan = ColumnPlan(label, cfg.key_column, features, cfg.tensor_column)
+        self._same_as_first_plan(origin, plan)
+        # Features named in the config (or one tensor column): the rest is not ours.
+        self.report.add_ignored([c for c in names if c not in used])
+        return plan
+
+    def _named_column_problems(
+        self, origin: str, schema: pa.Schema, label: str | None
+    ) -> list[str]:
+        """Each name once (else fail now), the columns the config names there, and a
+        numeric label."""
+        cfg, names = self.cfg, schema.names
         repeated = sorted({c for c in names if names.count(c) > 1})
         if repeated:
             raise DataError(
                 f"{origin}: column name(s) repeated: {_quoted(repeated)}; every column "
                 "needs its own name"
             )
-        label = cfg.label_column if self.labelled else None
         wanted = ([label] if label else []) + ([cfg.key_column] if cfg.key_column else [])
         if cfg.tensor_column:
             wanted.append(cfg.tensor_column)
         if cfg.feature_columns:
             wanted.extend(cfg.feature_columns)
-        ids = self.categorical_columns
-        missing = [c for c in wanted + list(ids) if c not in names]
+        missing = [c for c in wanted + list(self.categorical_columns) if c not in names]
         if missing:
-            problems.append(
+            return [
                 f"missing column(s) {_quoted(missing)}; the file has "
                 f"{', '.join(names)} (set data.label_column / data.feature_columns / "
                 "data.categorical_columns / data.tensor_column / data.key_column to match)"
-            )
-        elif label and not _is_numeric(label_type := schema.field(label).type):
-            problems.append(
+            ]
+        if label and not _is_numeric(label_type := schema.field(label).type):
+            return [
                 f"label column {cfg.label_column!r} has type {label_type}; labels must be "
                 + ("numbers" if self.num_classes is None else "whole numbers (classes)")
-            )
-        used = {label, cfg.key_column}
-        features: tuple[str, ...] | None = None
-        if cfg.tensor_column:
-            used.add(cfg.tensor_column)
-            if cfg.tensor_column in names:
-                dtype = schema.field(cfg.tensor_column).type
-                list_like = pa.types.is_list(dtype) or pa.types.is_large_list(dtype)
-                list_like = list_like or pa.types.is_fixed_size_list(dtype)
-                if not (list_like and _is_numeric(dtype.value_type)):
-                    problems.append(
-                        f"tensor column {cfg.tensor_column!r} has type {dtype}; "
-                        "it must be a list of numbers"
-                    )
-        else:
-            dense = tuple(cfg.feature_columns or [c for c in names if c not in used])
-            # Id columns first (the model's tables take the leading features), then the
-            # numeric ones; an id column listed among feature_columns too counts once.
-            features = ids + tuple(c for c in dense if c not in ids)
-            used.update(features)
-            wrong = [
-                f"{c} ({schema.field(c).type})"
-                for c in features
-                if c in names and c not in ids and not _is_numeric(schema.field(c).type)
             ]
-            if wrong:
-                problems.append(
-                    f"feature column(s) not numeric: {', '.join(wrong)}; every feature "
-                    "value must be a number"
-                    + (
-                        ""
-                        if cfg.feature_columns
-                        else ", or list the features to use in "
-                        "data.feature_columns (other columns are then ignored), or name "
-                        "columns of ids in data.categorical_columns"
-                    )
+        return []
+
+    def _tensor_problems(self, schema: pa.Schema) -> list[str]:
+        column = self.cfg.tensor_column
+        if column not in schema.names:
+            return []  # reported as missing
+        dtype = schema.field(column).type
+        list_like = pa.types.is_list(dtype) or pa.types.is_large_list(dtype)
+        list_like = list_like or pa.types.is_fixed_size_list(dtype)
+        if list_like and _is_numeric(dtype.value_type):
+            return []
+        return [f"tensor column {column!r} has type {dtype}; it must be a list of numbers"]
+
+    def _feature_columns_of(self, names: list[str], used: set[str | None]) -> tuple[str, ...]:
+        """Id columns first (the model's tables take the leading features), then the
+        numeric ones; an id column listed among feature_columns too counts once."""
+        ids = self.categorical_columns
+        dense = tuple(self.cfg.feature_columns or [c for c in names if c not in used])
+        return ids + tuple(c for c in dense if c not in ids)
+
+    def _feature_problems(self, schema: pa.Schema, features: tuple[str, ...]) -> list[str]:
+        cfg, names, ids = self.cfg, schema.names, self.categorical_columns
+        problems = []
+        wrong = [
+            f"{c} ({schema.field(c).type})"
+            for c in features
+            if c in names and c not in ids and not _is_numeric(schema.field(c).type)
+        ]
+        if wrong:
+            problems.append(
+                f"feature column(s) not numeric: {', '.join(wrong)}; every feature "
+                "value must be a number"
+                + (
+                    ""
+                    if cfg.feature_columns
+                    else ", or list the features to use in "
+                    "data.feature_columns (other columns are then ignored), or name "
+                    "columns of ids in data.categorical_columns"
                 )
-            if not features:
-                problems.append("no feature columns; set data.feature_columns")
-            elif cfg.feature_shape and math.prod(cfg.feature_shape) != len(features):
-                problems.append(
-                    f"data.feature_shape {cfg.feature_shape} holds "
-                    f"{math.prod(cfg.feature_shape)} values, but there are {len(features)} "
-                    "feature columns"
-                )
-        if problems:
-            raise DataError(f"{origin}: " + "; ".join(problems))
-        plan = ColumnPlan(label, cfg.key_column, features, cfg.tensor_column)
+            )
+        if not features:
+            problems.append("no feature columns; set data.feature_columns")
+        elif cfg.feature_shape and math.prod(cfg.feature_shape) != len(features):
+            problems.append(
+                f"data.feature_shape {cfg.feature_shape} holds "
+                f"{math.prod(cfg.feature_shape)} values, but there are {len(features)} "
+                "feature columns"
+            )
+        return problems
+
+    def _same_as_first_plan(self, origin: str, plan: ColumnPlan) -> None:
+        """The first file's plan sets the table's features; every later file must match."""
         if self._first_plan is None:
             self._first_plan = (origin, plan)
-            if features is not None:
-                self.feature_names = features
-                self.shape = self.shape or (len(features),)
+            if plan.feature_columns is not None:
+                self.feature_names = plan.feature_columns
+                self.shape = self.shape or (len(plan.feature_columns),)
                 self._check_schema_change(origin)
         elif self._first_plan[1] != plan:
             raise DataError(
                 f"{origin}: columns differ from {self._first_plan[0]}; every file of the "
                 "table needs the same columns"
             )
-        # Features named in the config (or one tensor column): the rest is not ours.
-        self.report.add_ignored([c for c in names if c not in used])
-        return plan
 
     def _check_schema_change(self, origin: str) -> None:
         """With features inferred ("all but label and key"), a column that appears or goes

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from training.atomic import pid_alive
 from training.config import Config
 from training.engine.control import Control
 from training.engine.health import record_failure
@@ -109,21 +110,11 @@ def _kill_this_worker_when_gone(pid: int) -> None:
         if pidfd is not None:
             select.select([pidfd], [], [])  # readable once the process has exited
         else:
-            while _exists(pid):
+            while pid_alive(pid):
                 time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="agent-watch", daemon=True).start()
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _exit_soon(seconds: float) -> None:
