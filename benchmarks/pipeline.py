@@ -10,7 +10,10 @@ splits the wall time:
   own work is its function's time, except train's, which is the training loop;
 - flow_rest_s: the flow's tasks between the stages (params, drift, push, register) and
   the way out;
-- skip_wall_s: the second `gradline run`, which finds everything up to date.
+- skip_wall_s: the second `gradline run`, which finds everything up to date;
+- forced_wall_s: a third, `gradline run --force`, which runs every stage again on a
+  Prefect home that is no longer new (its database exists): what a rerun costs once a
+  machine has run gradline before.
 
 Prints medians over the repeats (`--repeats`, 3 by default), one `key value` per line.
 """
@@ -41,11 +44,11 @@ def _env(project: Path, timings: Path) -> dict[str, str]:
     return env
 
 
-def _gradline_run(project: Path, timings: Path) -> float:
+def _gradline_run(project: Path, timings: Path, *flags: str) -> float:
     """Wall seconds of one `gradline run`; the command's output on failure."""
     started = time.time()
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "gradline"), "run"],
+        [str(Path(sys.executable).parent / "gradline"), "run", *flags],
         cwd=project,
         env=_env(project, timings),
         capture_output=True,
@@ -96,6 +99,7 @@ def one_repeat(base: Path) -> dict[str, float]:
     ).stdout
     if json.loads(status):  # the DAG's promise: nothing stale after a run
         raise SystemExit(f"dvc status is not clean after the run: {status}")
+    figures["forced_wall_s"] = _gradline_run(project, base / "forced-timings.jsonl", "--force")
     return figures
 
 

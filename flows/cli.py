@@ -14,9 +14,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flows.environment import apply_offline_defaults
+from flows.stage_host import STAGE_HOST_ENV, run_in_host, stage_host
 from flows.supervise import SUPERVISED_ENV, supervise
+from flows.temporary_server import TemporaryServer, temporary_prefect_server
+from tasks.prefect_api import lasting_api_url
 from training.errors import (
     ERROR_FILE_ENV,
     GradlineError,
@@ -24,6 +28,9 @@ from training.errors import (
     as_user_error,
 )
 from training.lock import project_lock
+
+if TYPE_CHECKING:
+    from training.config import Config
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -33,11 +40,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
     root = find_project_root()
     # Validate before Prefect starts or anything is written: fail in a second, not ten.
     cfg = load_config(Project(root).params, args.set)
+    # Started first, both come up while this process imports Prefect: the temporary
+    # Prefect server (when no server is configured) and the stages' host, which imports
+    # torch and MLflow once for every stage.
+    with (
+        temporary_prefect_server(needed=not prefect_api_configured()) as server,
+        stage_host(),
+    ):
+        return _run_flow(args, root, cfg, server)
+
+
+def _run_flow(
+    args: argparse.Namespace, root: Path, cfg: Config, server: TemporaryServer | None
+) -> int:
     import httpx
 
     from flows.pipeline import pipeline
     from tasks.watchdog import ensure_watchdogs
 
+    if server is not None:
+        server.wait_until_ready()
     # Before the flow run starts: the server's automations act only on runs whose first
     # events they saw (an event is held back while the one before it is unseen).
     ensure_watchdogs(cfg.orchestrate.notify)
@@ -130,7 +152,7 @@ def prefect_unreachable(exc: Exception) -> OrchestratorUnreachable:
     settings = get_current_settings()
     retries = settings.client.max_retries
     return OrchestratorUnreachable(
-        f"the Prefect API at {settings.api.url or 'the temporary server'} stopped answering "
+        f"the Prefect API at {lasting_api_url() or 'the temporary server'} stopped answering "
         f"({type(exc).__name__}: {exc}) and did not come back within the client's "
         f"{retries} retries (about {2 ** (retries + 1) - 2} s; PREFECT_CLIENT_MAX_RETRIES). "
         "What finished is kept: the stages dvc.lock records, training's checkpoints. The "
@@ -654,6 +676,15 @@ def launch_overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
+def _stage_in_host(argv: list[str] | None) -> int | None:
+    """A stage under a flow runs in the flow's stage host (flows/stage_host.py): its exit
+    code; None where there is no host, and the stage runs here."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] != ["stage"] or not os.environ.get(STAGE_HOST_ENV):
+        return None
+    return run_in_host(list(args))
+
+
 # Commands whose work runs under a supervisor, so that a signal reaches their whole tree.
 # `serve` too: Prefect starts each served run in serve's own process group, where a
 # terminal's Ctrl-C would reach every process of the run at once.
@@ -661,6 +692,8 @@ SUPERVISED_COMMANDS = ("run", "compare-updates", "sweep", "serve")
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (code := _stage_in_host(argv)) is not None:
+        return code
     apply_offline_defaults()
     args = build_parser().parse_args(argv)
     if args.command in SUPERVISED_COMMANDS and not os.environ.get(SUPERVISED_ENV):

@@ -17,9 +17,11 @@ from prefect import flow, get_run_logger, task
 from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled, Completed
 
+from flows.stage_host import stage_host
 from flows.train_pool import check_train_pool, train_on_pool
 from tasks.drift import check_drift
 from tasks.dvc_stages import push_all, push_data, run_stage, stale_stages
+from tasks.leases import prepare_reclaim
 from tasks.notify import notify_champion, notify_failure
 from tasks.quota import check_quota, device_slots
 from tasks.registry import (
@@ -73,7 +75,9 @@ def pipeline(
     root = str(Path(root).resolve()) if root else str(find_project_root())
     try:
         # One writer per project: a second run (a deployment's, a terminal's) waits here.
-        with project_lock(Path(root), say=get_run_logger().info):
+        # The stages fork from a host that imported torch and MLflow once (unless the
+        # command that started this flow already started one).
+        with project_lock(Path(root), say=get_run_logger().info), stage_host():
             return _run_steps(root, list(overrides or []), force, accept_drift)
     except (TerminationSignal, KeyboardInterrupt) as stop:
         # A signal or a cancel from Prefect: the running stage was stopped with it
@@ -98,6 +102,7 @@ def _run_steps(root: str, overrides: list[str], force: bool, accept_drift: bool)
                 publish_summary(latest)
                 return Completed(name="Skipped", message=latest.headline, data=latest)
         step = "ingest"
+        prepare_reclaim()  # the device quota's lease clean-up, made ready as stages run
         run_stage(cfg, root, "ingest", force)
         step = "drift"  # new data against the champion's: warn, or stop before training
         check_drift(root, cfg, accept_drift)

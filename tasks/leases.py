@@ -14,10 +14,13 @@ it, with Prefect's own revocation, before a run waits for slots.
 
 from __future__ import annotations
 
+import threading
 from uuid import UUID
 
 from prefect.settings import get_current_settings
 from prefect.utilities.asyncutils import run_coro_as_sync
+
+from tasks.prefect_api import lasting_api_url
 
 
 def local_leases() -> bool:
@@ -32,9 +35,23 @@ def reclaim_lapsed_slots() -> int:
     Only for the temporary server: a full server's repossessor already does this, and
     revoking twice would give the same slots back twice.
     """
-    if get_current_settings().api.url or not local_leases():
+    if lasting_api_url() or not local_leases():
         return 0
     return run_coro_as_sync(_revoke_lapsed())
+
+
+def prepare_reclaim() -> None:
+    """Where `reclaim_lapsed_slots` will have work to do, import what it needs (~1 s of
+    Prefect's server package) in the background now, while the flow's first stages run,
+    instead of when training waits for its slots."""
+    if not lasting_api_url() and local_leases():
+        threading.Thread(target=_import_reclaim, name="prepare-reclaim", daemon=True).start()
+
+
+def _import_reclaim() -> None:
+    import prefect.server.concurrency.lease_storage
+    import prefect.server.database
+    import prefect.server.services.repossessor  # noqa: F401
 
 
 async def _revoke_lapsed() -> int:

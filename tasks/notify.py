@@ -23,6 +23,7 @@ from prefect.blocks.system import Secret
 from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 
+from tasks.prefect_api import lasting_api_url
 from tasks.registry import RunSummary
 from training.errors import ConfigError
 
@@ -101,5 +102,6 @@ def _section(markdown: str) -> dict:
 
 
 def _flow_run_line() -> str:
-    url = flow_run.ui_url if flow_run.id else None
+    # No link into a temporary server's UI: it is gone when the alert is read.
+    url = flow_run.ui_url if flow_run.id and lasting_api_url() else None
     return f"\n*flow run* <{url}|{flow_run.name}>" if url else ""

@@ -39,14 +39,18 @@ def register_model(root: str, cfg: Config) -> RunSummary:
     return register_trained(Path(root), cfg, cfg.orchestrate.tracking_wait_s, logger.info)
 
 
+def _rescore_champion(cfg: Config, shards: Path, model_uri: str, metric: str, uri: str) -> float:
+    # Imported only when there is a champion to re-score: it needs torch (~2 s to import),
+    # which the rest of the flow, in this process, does without.
+    from training.mlops.serving import rescore_champion
+
+    return rescore_champion(cfg, shards, model_uri, metric, uri)
+
+
 def register_trained(root: Path, cfg: Config, wait_s: float, say) -> RunSummary:
     """The register step, for the flow and for `gradline sync`: ship every pending
     journal of the project (waiting up to `wait_s`, saying so through `say`), then
     register the trained run's model once and gate it."""
-    # Deferred: re-scoring a champion needs torch (~2 s); the rest of the flow runs in
-    # this process without it.
-    from training.mlops.serving import rescore_champion
-
     project = Project(root)
     trained = project.read_train_result()
     metrics = json.loads(project.metrics.read_text())
@@ -66,7 +70,7 @@ def register_trained(root: Path, cfg: Config, wait_s: float, say) -> RunSummary:
         trained["run_id"],
         score,
         split_digest(manifest, "test"),
-        lambda uri: rescore_champion(cfg, project.shards, uri, score.metric, tracking_uri),
+        lambda uri: _rescore_champion(cfg, project.shards, uri, score.metric, tracking_uri),
         tags={**version_tags(run.data.tags), TAG_MODEL_CARD: card_uri(run.info.run_id)},
         card_link=card_link(run.info.experiment_id, run.info.run_id),
         note=drift_note,

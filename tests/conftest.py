@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import copy_project  # the tests' fresh clones
-from tests.servers import SharedPrefect
+from flows.stage_host import STAGE_HOST_ENV
+from tests.servers import SharedPrefect, SharedStageHost
 from training.config import DataConfig, ShardConfig
 from training.data.ingest import ingest
 from training.data.shards import write_shards
@@ -46,10 +47,11 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session", autouse=True)
 def _shared_prefect_server():
-    """The shared Prefect server (started by the first test that needs it) ends with the
-    test run: no process of the tests outlives them."""
+    """The shared Prefect server and stage host (started by the first test that needs
+    them) end with the test run: no process of the tests outlives them."""
     yield
     SharedPrefect.stop()
+    SharedStageHost.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -207,14 +209,16 @@ def _assert_alerted_iff_champion(hook, champion: bool, version: int, run_id: str
 def _env(root: Path, shared_server: bool = True) -> dict[str, str]:
     """A user's environment for gradline in `root`: none of this machine's MLflow or
     Prefect settings, no drill faults, the project's own PREFECT_HOME, and the test run's
-    shared Prefect server (tests/servers.py) unless the embedded default, a temporary
-    server per run, is what the test is about (`shared_server=False`)."""
+    shared Prefect server and stage host (tests/servers.py) unless the embedded default,
+    a temporary server and a stage host per run, is what the test is about
+    (`shared_server=False`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
     env.pop("GRADLINE_FAULT", None)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
     env["PREFECT_HOME"] = str(root / ".prefect-home")
     if shared_server:
         env["PREFECT_API_URL"] = SharedPrefect.api()
+        env[STAGE_HOST_ENV] = SharedStageHost.socket()
     return env
 
 

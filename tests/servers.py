@@ -9,6 +9,7 @@ team's machines share theirs; the embedded default keeps its own tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -17,12 +18,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from flows.environment import OFFLINE_DEFAULTS
+from flows.stage_host import STAGE_HOST_ENV, stage_host
+from flows.temporary_server import prefect_api_answers
 
 BIN = Path(sys.executable).parent
 
@@ -86,11 +88,7 @@ class PrefectServer:
             time.sleep(0.2)
 
     def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.api}/health", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        return prefect_api_answers(self.api)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -138,3 +136,28 @@ class SharedPrefect:
             cls.server.stop()
             shutil.rmtree(cls.server.home, ignore_errors=True)
             cls.server = None
+
+
+class SharedStageHost:
+    """The stage host (flows/stage_host.py) of a test process: the stages of every flow a
+    test runs against the shared Prefect server fork from it, as a flow's stages fork
+    from the flow's own host; started on first use, stopped when the run ends."""
+
+    stack: contextlib.ExitStack | None = None
+    path = ""
+
+    @classmethod
+    def socket(cls) -> str:
+        if cls.stack is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(stage_host())
+            # Named only in the environments of the commands the tests start.
+            cls.path = os.environ.pop(STAGE_HOST_ENV)
+            cls.stack = stack
+        return cls.path
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.stack is not None:
+            cls.stack.close()
+            cls.stack = None

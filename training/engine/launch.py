@@ -190,7 +190,7 @@ def _launch_config(runtime: RuntimeConfig, control: Control, max_restarts: int) 
             "last_call_timeout": round(runtime.rdzv_last_call_s),
         },
         max_restarts=max_restarts,
-        monitor_interval=0.5,
+        monitor_interval=0.1,  # how soon the agent sees its workers end (a cheap check)
         start_method=start_method(),
         # SIGTERM is ours (a graceful stop request), not the agent's (kill the workers).
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",

@@ -1,0 +1,179 @@
+"""The stage host (flows/stage_host.py): a `gradline stage` command under it runs its
+stage in a fork of the host, which must behave as the command run cold: the same
+outputs and output lines, its exit code, signals passed on, nothing left running when
+the command or the host's owner dies; and the command runs the stage itself when no
+host answers. Every test starts processes and has a timeout."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from flows.stage_host import STAGE_HOST_ENV, stage_host
+from training.config import update_params_file
+
+from .conftest import copy_project
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+GRADLINE = str(Path(sys.executable).parent / "gradline")
+SHARD = ["stage", "shard", "--raw", "data/raw", "--out"]
+TRAIN = ["stage", "train", "--shards", "data/shards", "--model", "model"]
+TRAIN += ["--checkpoints", "checkpoints", "--result", "result.json"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.pop(STAGE_HOST_ENV, None)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env["PATH"]
+    return {**env, **extra}
+
+
+@pytest.fixture(scope="module")
+def ingested(tmp_path_factory) -> Path:
+    """A project with its data ingested, run cold (no host)."""
+    project = copy_project(tmp_path_factory.mktemp("stage-host") / "project")
+    update_params_file(project / "params.yaml", {"data": {"max_rows": 600}})
+    repro = [sys.executable, "-m", "dvc", "repro", "ingest"]
+    done = subprocess.run(repro, cwd=project, env=_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return project
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def test_a_stage_in_the_host_writes_and_says_what_the_cold_command_does(ingested) -> None:
+    cold = subprocess.run(
+        [GRADLINE, *SHARD, "shards-cold"], cwd=ingested, env=_env(), capture_output=True, text=True
+    )
+    assert cold.returncode == 0, cold.stderr[-3000:]
+    with stage_host() as host:
+        assert host is not None
+        env = _env(**{STAGE_HOST_ENV: os.environ[STAGE_HOST_ENV]})
+        hosted = subprocess.run(
+            [GRADLINE, *SHARD, "shards-hosted"],
+            cwd=ingested,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        bad = subprocess.run(
+            [GRADLINE, "stage", "shard", "--raw", "data/missing", "--out", "x"],
+            cwd=ingested,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+    assert hosted.returncode == 0, hosted.stderr[-3000:]
+    assert _digests(ingested / "shards-hosted") == _digests(ingested / "shards-cold")
+    # The stage's own lines reach the command's stderr (a host that swallowed its
+    # logging, as an import that configures the root logger would, fails here).
+    said = [line.split(": ", 1)[1] for line in hosted.stderr.splitlines() if "shard:" in line]
+    assert said and said == [
+        line.split(": ", 1)[1].replace("shards-cold", "shards-hosted")
+        for line in cold.stderr.splitlines()
+        if "shard:" in line
+    ]
+    cold_bad = subprocess.run(
+        [GRADLINE, "stage", "shard", "--raw", "data/missing", "--out", "x"],
+        cwd=ingested,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == cold_bad.returncode != 0  # bad input: the same exit code
+    assert "data/missing" in bad.stderr
+    assert host.poll() is not None  # stopped with its context
+
+
+def test_no_host_answering_means_the_command_runs_the_stage_itself(ingested, tmp_path) -> None:
+    env = _env(**{STAGE_HOST_ENV: str(tmp_path / "nobody.sock")})
+    done = subprocess.run(
+        [GRADLINE, *SHARD, "shards-alone"], cwd=ingested, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (ingested / "shards-alone" / "manifest.json").is_file()
+
+
+def _start_slow_training(project: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """The train stage through the host, slowed so that it is still training when the
+    test acts; returns once the fork has started training (a checkpoint exists)."""
+    slow = {**env, "GRADLINE_FAULT": "slow:rank=0:step=0:seconds=0.2"}
+    with log.open("w") as out:
+        command = subprocess.Popen(
+            [GRADLINE, *TRAIN], cwd=project, env=slow, stdout=out, stderr=out
+        )
+    deadline = time.monotonic() + 120
+    while not list(project.glob("checkpoints/*/step-????????")):
+        assert command.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    return command
+
+
+@pytest.fixture
+def sharded(ingested, tmp_path) -> Path:
+    project = tmp_path / "project"
+    subprocess.run(["cp", "-a", str(ingested), str(project)], check=True)
+    done = subprocess.run([GRADLINE, *SHARD, "data/shards"], cwd=project, env=_env())
+    assert done.returncode == 0
+    update_params_file(project / "params.yaml", {"train": {"epochs": 200}})
+    return project
+
+
+def test_sigterm_to_the_command_reaches_the_stage_which_checkpoints(sharded, tmp_path) -> None:
+    with stage_host() as host:
+        env = _env(**{STAGE_HOST_ENV: os.environ[STAGE_HOST_ENV]})
+        command = _start_slow_training(sharded, env, tmp_path / "train.log")
+        forks = _children(host.pid)
+        assert forks, "the stage did not run in the host"
+        command.send_signal(signal.SIGTERM)
+        code = command.wait(timeout=120)
+    log = (tmp_path / "train.log").read_text()
+    assert code == 75, log[-3000:]  # the stage's own preemption exit, passed back
+    assert "stopping at step" in log
+    psutil.wait_procs(forks, timeout=30)
+    assert not [p for p in forks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_killed_command_takes_its_stage_and_workers_along(sharded, tmp_path) -> None:
+    with stage_host() as host:
+        env = _env(**{STAGE_HOST_ENV: os.environ[STAGE_HOST_ENV]})
+        command = _start_slow_training(sharded, env, tmp_path / "train.log")
+        forks = _children(host.pid)
+        assert len(forks) >= 3, forks  # the stage, its workers' forkserver, the workers
+        command.kill()
+        command.wait()
+        _, alive = psutil.wait_procs(forks, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+
+
+def test_the_host_ends_with_the_process_that_started_it(tmp_path) -> None:
+    owner_code = (
+        "import os, sys, time\n"
+        "from flows.stage_host import stage_host\n"
+        "with stage_host() as host:\n"
+        "    print(host.pid, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True, env=_env()
+    )
+    host = psutil.Process(int(owner.stdout.readline()))
+    owner.kill()
+    owner.wait()
+    host.wait(timeout=30)  # raises if the host outlived its owner
