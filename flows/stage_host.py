@@ -266,7 +266,8 @@ class _Host:
             _run_stage(request, streams)
         for fd in streams:
             os.close(fd)
-        conn.sendall(f"pid {pid}\n".encode())
+        with contextlib.suppress(OSError):  # the command died already: its end kills the fork
+            conn.sendall(f"pid {pid}\n".encode())
         self.forks[pid] = conn
         self.selector.register(conn, selectors.EVENT_READ, pid)
 
@@ -275,7 +276,10 @@ class _Host:
         connections, its wake-up pipe), so that nothing of the host's lives on in it."""
         signal.set_wakeup_fd(-1)
         for key in list(self.selector.get_map().values()):
-            os.close(key.fd)
+            if isinstance(key.fileobj, socket.socket):
+                key.fileobj.close()  # marked closed too: never closed again by number
+            else:
+                os.close(key.fd)
         self.selector.close()
         os.close(self.wake_write)
 
