@@ -211,13 +211,16 @@ class _Host:
         os.set_blocking(self.wake_write, False)
         self.selector.register(listener, selectors.EVENT_READ, "accept")
         self.selector.register(wake_read, selectors.EVENT_READ, "wake")
-        self._watch_owner(owner)
+        self.polled_owner = self._watch_owner(owner)
 
-    def _watch_owner(self, owner: int) -> None:
+    def _watch_owner(self, owner: int) -> int | None:
+        """Wake up when `owner` exits (a pidfd); where there are none, return the pid for
+        the loop to poll."""
         try:
             self.selector.register(os.pidfd_open(owner), selectors.EVENT_READ, "owner")
-        except (AttributeError, OSError):  # no pidfds here: the loop polls instead
-            self.owner = owner
+        except (AttributeError, OSError):
+            return owner
+        return None
 
     def serve(self) -> None:
         signal.set_wakeup_fd(self.wake_write)
@@ -228,7 +231,7 @@ class _Host:
             for key, _ in self.selector.select(timeout=1.0):
                 self._on_event(key)
             self._reap()
-            if getattr(self, "owner", None) and os.getppid() != self.owner:
+            if self.polled_owner is not None and os.getppid() != self.polled_owner:
                 self.stopping = True
         for pid in self.forks:  # stopped with stages running: they go too
             with contextlib.suppress(ProcessLookupError):

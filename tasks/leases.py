@@ -35,16 +35,21 @@ def reclaim_lapsed_slots() -> int:
     Only for the temporary server: a full server's repossessor already does this, and
     revoking twice would give the same slots back twice.
     """
-    if lasting_api_url() or not local_leases():
+    if not _reclaims_here():
         return 0
     return run_coro_as_sync(_revoke_lapsed())
+
+
+def _reclaims_here() -> bool:
+    """A temporary server (no repossessor) whose leases this process can read."""
+    return not lasting_api_url() and local_leases()
 
 
 def prepare_reclaim() -> None:
     """Where `reclaim_lapsed_slots` will have work to do, import what it needs (~1 s of
     Prefect's server package) in the background now, while the flow's first stages run,
     instead of when training waits for its slots."""
-    if not lasting_api_url() and local_leases():
+    if _reclaims_here():
         threading.Thread(target=_import_reclaim, name="prepare-reclaim", daemon=True).start()
 
 
