@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flows.environment import apply_offline_defaults
-from flows.stage_host import STAGE_HOST_ENV, run_in_host, stage_host
+from flows.stage_host import stage_host
 from flows.supervise import SUPERVISED_ENV, supervise
 from flows.temporary_server import TemporaryServer, temporary_prefect_server
 from tasks.prefect_api import lasting_api_url
@@ -27,6 +27,7 @@ from training.errors import (
     OrchestratorUnreachable,
     as_user_error,
 )
+from training.host_client import STAGE_HOST_ENV, run_in_host
 from training.lock import project_lock
 
 if TYPE_CHECKING:
@@ -93,23 +94,21 @@ def nothing_changed_here(args: argparse.Namespace) -> bool:
         return False  # the server records the skip too
     from dataclasses import asdict
 
-    from training.mlops.dvc_cli import dvc_push_quietly, dvc_status_started
+    from training.mlops.dvc_cli import StatusThenPush
 
     with project_lock(root, wait=not args.no_wait):
-        status = dvc_status_started(root)  # runs while mlflow imports
+        dvc = StatusThenPush(root)  # runs while mlflow imports and answers
         try:
             from mlflow.exceptions import MlflowException
 
             from training.mlops.summary import up_to_date_run
 
             cfg = load_config(Project(root).params, [])
-            latest = up_to_date_run(root, cfg, status, lambda message: None)
+            latest = up_to_date_run(root, cfg, dvc.status, lambda message: None)
         except (GradlineError, MlflowException):
-            return False
-        finally:  # never left running: the flow's `dvc repro` needs DVC's lock
-            with contextlib.suppress(GradlineError):
-                status()
-        if latest is None or not dvc_push_quietly(root):
+            latest = None
+        # Waited for in any case: the flow's `dvc repro` needs DVC's lock.
+        if not dvc.pushed() or latest is None:
             return False
     print(json.dumps(asdict(latest), indent=2))
     print(latest.describe())

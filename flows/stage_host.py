@@ -1,31 +1,38 @@
-"""Stage processes forked from a host that imported torch and MLflow once.
+"""Stage processes and DVC commands forked from a host that imported torch, MLflow and
+DVC once.
 
 A stage is a `gradline stage NAME` command that DVC runs. Started cold, the train and
 evaluate stages spend about 4 s of a small machine's CPU importing torch, MLflow,
-pyarrow and pandas before their first line of work, every run. Under a flow (or a test
-session), a stage host does those imports once, in its own process, and forks a ready
-process per stage:
+pyarrow and pandas before their first line of work, every run, and each `dvc` command
+the flow runs half a second importing DVC. Under a flow (or a test session), a stage
+host does those imports once, in its own process, and forks a ready process per
+command:
 
 - `stage_host()` starts the host for the commands this process starts and names its
   socket in `GRADLINE_STAGE_HOST`; where that is set already (an outer flow, a test
   session), it uses that host;
 - `gradline stage ...` under DVC, seeing `GRADLINE_STAGE_HOST`, asks the host to run it
-  (`run_in_host`): it passes its argv, environment, working folder and standard
-  streams; the host forks, the fork takes them over and runs the stage as the command
-  would have; the command forwards the signals it gets to the fork and exits with the
-  fork's exit code. DVC, `dvc.lock` and the flow see the same command as before.
-- No host (plain `dvc repro`, a host that is gone): the command runs the stage itself.
+  (`training.host_client.run_in_host`): it passes its argv, environment, working folder
+  and standard streams; the host forks, the fork takes them over and runs the stage as
+  the command would have; the command forwards the signals it gets to the fork and
+  exits with the fork's exit code. DVC, `dvc.lock` and the flow see the same command.
+- the flow's `dvc ...` commands (`training.mlops.dvc_cli.dvc_process`) are forks of the
+  host too, used as a `subprocess.Popen` is. The host loads DVC first and serves them
+  at once; it loads the rest between requests and holds stage commands until then.
+- No host (plain `dvc repro`, a host that is gone): each command runs itself.
 
-The fork dies with the command that asked for it (the host kills it when the command's
+A fork dies with the command that asked for it (the host kills it when the command's
 connection closes) and with the host; the host ends with the process that started it.
 The socket lives in a folder only this user can open, and the host runs nothing but
-`gradline stage` commands.
+`gradline stage` and `dvc` commands.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import gc
 import importlib.metadata
 import json
 import logging
@@ -33,16 +40,42 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-STAGE_HOST_ENV = "GRADLINE_STAGE_HOST"
+from training.host_client import HEADER, STAGE_HOST_ENV
+
+# What DVC's commands import (most of it lazily, as a command needs it): loaded first,
+# so that the flow's `dvc` commands fork from the host within a fraction of a second.
+DVC_PRELOAD = (
+    "dvc.cli.parser",
+    "dvc.repo",
+    "dvc.repo.reproduce",
+    "dvc.repo.status",
+    "dvc.repo.push",
+    "dvc.repo.pull",
+    "dvc.repo.fetch",
+    "dvc.stage",
+    "dvc.stage.cache",
+    "dvc.output",
+    "dvc.dependency",
+    "dvc.dvcfile",
+    "dvc.lock",
+    "dvc.config",
+    "dvc_data.index",
+    "dvc_data.index.checkout",
+    "dvc_data.hashfile.transfer",
+    "dvc_data.hashfile.build",
+    "dvc_objects.fs.local",
+    "scmrepo.git",
+    "dulwich.repo",
+    "ruamel.yaml",
+)
 # What the stages import that costs time; the rest they import themselves, cheaply.
 PRELOAD = (
     "torch",
@@ -66,91 +99,12 @@ PRELOAD = (
     "training.mlops.runs",
     "training.mlops.sync",
     "training.engine.worker_start",
+    "training.engine.worker",  # the workers' forkserver is then a fork of the stage
     "training.evaluation",
     "training.models.folder",
     "training.plots",
 )
-_HEADER = struct.Struct("!I")  # the request's length, before the request itself
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-
-
-# --- the command's side ---------------------------------------------------------------
-
-
-def run_in_host(argv: list[str]) -> int | None:
-    """Run `gradline argv` (a stage) in the host `GRADLINE_STAGE_HOST` names; its exit
-    code, or None when no host answers (the caller runs the stage itself)."""
-    path = os.environ.get(STAGE_HOST_ENV)
-    if not path:
-        return None
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(path)
-        _send_request(conn, argv)
-        reply = conn.makefile("r")
-        pid = _read_pid(reply)
-    except (OSError, ValueError):
-        conn.close()
-        return None  # gone, or refused before forking: nothing ran, run it here
-    with conn, reply:
-        _forward_signals_to(pid)
-        line = reply.readline()  # the fork's end: `exit N` or `signal N`
-    kind, _, value = line.partition(" ")
-    if kind == "signal":  # end as the stage ended, so that DVC sees what a shell would
-        signal.signal(int(value), signal.SIG_DFL)
-        os.kill(os.getpid(), int(value))
-        return 128 + int(value)
-    if kind != "exit":
-        print("gradline: the stage host ended before the stage did", file=sys.stderr)
-        return 1
-    return int(value)
-
-
-def _send_request(conn: socket.socket, argv: list[str]) -> None:
-    request = {
-        "argv": argv,
-        "env": dict(os.environ),
-        "cwd": os.getcwd(),
-        "path": sys.path,
-        "umask": _current_umask(),
-    }
-    payload = json.dumps(request).encode()
-    socket.send_fds(conn, [_HEADER.pack(len(payload))], _standard_streams())
-    conn.sendall(payload)
-
-
-def _standard_streams() -> list[int]:
-    """This command's stdin, stdout and stderr, /dev/null for one it was started without."""
-    fds = []
-    modes = (os.O_RDONLY, os.O_WRONLY, os.O_WRONLY)
-    for stream, mode in zip((sys.stdin, sys.stdout, sys.stderr), modes, strict=True):
-        try:
-            fds.append(stream.fileno())
-        except (AttributeError, OSError, ValueError):  # None, closed, or not a file
-            fds.append(os.open(os.devnull, mode))
-    return fds
-
-
-def _read_pid(reply) -> int:
-    kind, _, value = reply.readline().partition(" ")
-    if kind != "pid":
-        raise ValueError(f"the stage host refused the stage: {value.strip()}")
-    return int(value)
-
-
-def _forward_signals_to(pid: int) -> None:
-    def forward(signum: int, _frame) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-    for signum in _FORWARDED:
-        signal.signal(signum, forward)
-
-
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+COMMANDS = ("stage", "dvc")  # `gradline stage ...` and `dvc ...`: all the host runs
 
 
 # --- starting and stopping the host -----------------------------------------------------
@@ -199,13 +153,20 @@ def stop_host(host: subprocess.Popen) -> None:
 
 
 class _Host:
-    """Accepts stage requests on `listener`, forks one process per request, and tells
-    each command its fork's pid and, at the end, how the fork ended."""
+    """Accepts requests on `listener`, forks one process per request, and tells each
+    command its fork's pid and, at the end, how the fork ended. It serves DVC commands
+    at once; between requests it goes on with `preload`, one step at a time, and holds
+    stage commands until that is done (a stage forked earlier would import it all
+    again itself)."""
 
-    def __init__(self, listener: socket.socket, owner: int) -> None:
+    def __init__(
+        self, listener: socket.socket, owner: int, preload: Iterable[Callable[[], None]]
+    ) -> None:
         self.listener = listener
         self.selector = selectors.DefaultSelector()
         self.forks: dict[int, socket.socket] = {}  # pid -> the command's connection
+        self.preload = collections.deque(preload)
+        self.held: list[tuple[socket.socket, dict, list[int]]] = []  # stages waiting for it
         self.stopping = False
         wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_write, False)
@@ -228,9 +189,11 @@ class _Host:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner decides when we stop
         while not self.stopping:
-            for key, _ in self.selector.select(timeout=1.0):
+            for key, _ in self.selector.select(timeout=0 if self.preload else 1.0):
                 self._on_event(key)
             self._reap()
+            if self.preload:
+                self._preload_next()
             if self.polled_owner is not None and os.getppid() != self.polled_owner:
                 self.stopping = True
         for pid in self.forks:  # stopped with stages running: they go too
@@ -239,6 +202,13 @@ class _Host:
 
     def _stop(self, *_: object) -> None:
         self.stopping = True
+
+    def _preload_next(self) -> None:
+        self.preload.popleft()()
+        if not self.preload:
+            held, self.held = self.held, []
+            for conn, request, streams in held:
+                self._fork(conn, request, streams)
 
     def _on_event(self, key: selectors.SelectorKey) -> None:
         if key.data == "accept":
@@ -262,11 +232,21 @@ class _Host:
                 conn.sendall(f"refused {exc}\n".encode())
             conn.close()
             return
+        if request["argv"][0] == "stage" and self.preload:
+            self.held.append((conn, request, streams))
+        else:
+            self._fork(conn, request, streams)
+
+    def _fork(self, conn: socket.socket, request: dict, streams: list[int]) -> None:
+        # The fork's garbage collector would walk every object of the host (torch's,
+        # MLflow's, DVC's), writing to each page and so copying it: ~1 s of every command.
+        # Frozen, they are left alone.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:  # the fork: never returns
             self._let_go()
             conn.close()
-            _run_stage(request, streams)
+            _run_command(request, streams)
         for fd in streams:
             os.close(fd)
         with contextlib.suppress(OSError):  # the command died already: its end kills the fork
@@ -275,9 +255,13 @@ class _Host:
         self.selector.register(conn, selectors.EVENT_READ, pid)
 
     def _let_go(self) -> None:
-        """In a fork: close what the host holds (the listener, the other stages'
+        """In a fork: close what the host holds (the listener, the other commands'
         connections, its wake-up pipe), so that nothing of the host's lives on in it."""
         signal.set_wakeup_fd(-1)
+        for conn, _, streams in self.held:
+            conn.close()
+            for fd in streams:
+                os.close(fd)
         for key in list(self.selector.get_map().values()):
             if isinstance(key.fileobj, socket.socket):
                 key.fileobj.close()  # marked closed too: never closed again by number
@@ -309,12 +293,12 @@ class _Host:
 
 
 def _receive_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    header, streams, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
-    if len(header) != _HEADER.size or len(streams) != 3:
+    header, streams, _, _ = socket.recv_fds(conn, HEADER.size, 3)
+    if len(header) != HEADER.size or len(streams) != 3:
         for fd in streams:
             os.close(fd)
         raise ValueError("a request without its length and three standard streams")
-    (length,) = _HEADER.unpack(header)
+    (length,) = HEADER.unpack(header)
     payload = bytearray()
     while len(payload) < length:
         chunk = conn.recv(min(1 << 20, length - len(payload)))
@@ -322,18 +306,18 @@ def _receive_request(conn: socket.socket) -> tuple[dict, list[int]]:
             raise ValueError("the request ended early")
         payload += chunk
     request = json.loads(payload)
-    if request.get("argv", [None])[0] != "stage":  # nothing but stages runs here
-        raise ValueError(f"not a stage command: {request.get('argv')}")
+    if (request.get("argv") or [None])[0] not in COMMANDS:  # nothing else runs here
+        raise ValueError(f"neither a stage nor a DVC command: {request.get('argv')}")
     return request, streams
 
 
-def _run_stage(request: dict, streams: list[int]) -> None:
+def _run_command(request: dict, streams: list[int]) -> None:
     """In the fork: become the command that asked (its streams, folder, environment,
-    signals), run the stage, and end as the interpreter would have."""
+    signals), run it, and end as the interpreter would have."""
     code = 1
     try:
         _become(request, streams)
-        code = _command_main()(request["argv"])
+        code = _entry_point(request["argv"][0])(request["argv"])
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         if isinstance(stop.code, str):
@@ -351,21 +335,24 @@ def _become(request: dict, streams: list[int]) -> None:
     for target, fd in enumerate(streams):
         os.dup2(fd, target)
         os.close(fd)
+    stage = request["argv"][0] == "stage"
     environ = dict(request["env"])
-    environ.pop(STAGE_HOST_ENV, None)  # the stage runs here, not in another host
+    if stage:  # the stage runs here, not in another host (DVC's stages do go there)
+        environ.pop(STAGE_HOST_ENV, None)
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(request["cwd"])
     os.umask(request["umask"])
     sys.path[:] = request["path"]
-    sys.argv = ["gradline", *request["argv"]]
+    sys.argv = ["gradline", *request["argv"]] if stage else list(request["argv"])
     unbuffered = bool(environ.get("PYTHONUNBUFFERED"))
     sys.stdout.reconfigure(line_buffering=unbuffered or os.isatty(1), write_through=unbuffered)
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.set_wakeup_fd(-1)
-    _adopt_thread_count(environ)
+    if stage:
+        _adopt_thread_count(environ)
 
 
 def _die_with_the_host() -> None:
@@ -406,6 +393,16 @@ def _finish(code: int) -> None:
 _HOST_THREADS_ENV = os.environ.get("OMP_NUM_THREADS", "")
 
 
+def _entry_point(command: str) -> Callable[[list[str]], int]:
+    """What runs `argv` in the fork: `gradline`'s entry point for a stage, DVC's for
+    `dvc ...` (as `python -m dvc` runs it)."""
+    if command == "dvc":
+        from dvc.cli import main as dvc_main
+
+        return lambda argv: dvc_main(argv[1:])
+    return _command_main()
+
+
 def _command_main() -> Callable[[list[str]], int]:
     """The `gradline` command's entry point, found as its console script finds it
     (loaded once, by `preload`)."""
@@ -421,18 +418,22 @@ def _command_main() -> Callable[[list[str]], int]:
 _MAIN: Callable[[list[str]], int] | None = None
 
 
-def preload() -> None:
-    """Import what the stages need, leaving logging as a fresh process has it (an
-    import that configures the root logger would silence the stage's own lines)."""
+def preload_steps(modules: Iterable[str]) -> list[Callable[[], None]]:
+    """One step per module to import, then the last steps for the stages (`gradline`'s
+    entry point, MLflow's package map)."""
+    imports = [lambda m=module: _import_keeping_logging(m) for module in modules]
+    return [*imports, _command_main, _warm_mlflow_package_map]
+
+
+def _import_keeping_logging(module: str) -> None:
+    """Import `module`, leaving logging as a fresh process has it (an import that
+    configures the root logger would silence the commands' own lines)."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    for module in PRELOAD:
-        with contextlib.suppress(ImportError):  # a stage that needs it will say so
-            __import__(module)
+    with contextlib.suppress(ImportError):  # a command that needs it will say so
+        __import__(module)
     root.handlers[:] = handlers
     root.setLevel(level)
-    _command_main()
-    _warm_mlflow_package_map()
 
 
 def _warm_mlflow_package_map() -> None:
@@ -448,8 +449,9 @@ def _warm_mlflow_package_map() -> None:
 def main() -> None:
     listener_fd, owner = int(sys.argv[1]), int(sys.argv[2])
     listener = socket.socket(fileno=listener_fd)
-    preload()
-    _Host(listener, owner).serve()
+    for module in DVC_PRELOAD:  # ~0.3 s: the flow's first `dvc` command may be waiting
+        _import_keeping_logging(module)
+    _Host(listener, owner, preload_steps(PRELOAD)).serve()
     os._exit(0)  # nothing to flush or close: skip tearing down torch and MLflow (~1 s)
 
 

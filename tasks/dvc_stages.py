@@ -37,7 +37,8 @@ from training.errors import (
     is_retryable,
     is_retryable_exit,
 )
-from training.mlops.dvc_cli import DvcCommandFailed, dvc_status
+from training.host_client import HostedProcess
+from training.mlops.dvc_cli import DvcCommandFailed, dvc_process, dvc_status
 from training.mlops.remote import failed_files, push_failed
 from training.mlops.tracking import FLOW_RUN_ENV
 from training.mlops.versioning import data_version
@@ -73,16 +74,15 @@ def _env(record_as: str = "") -> dict[str, str]:
 
 def dvc_output(root: Path, *args: str) -> str:
     """Run a quick DVC command and return its stdout (for `status --json` and the like)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "dvc", *args], cwd=root, env=_env(), capture_output=True, text=True
-    )
+    proc = dvc_process(root, *args, env=_env())
+    out, err = proc.communicate()
     if proc.returncode != 0:
         raise StageFailed(
-            f"`dvc {' '.join(args)}` failed ({proc.returncode}):\n{proc.stderr[-4000:]}",
+            f"`dvc {' '.join(args)}` failed ({proc.returncode}):\n{err[-4000:]}",
             proc.returncode,
             retryable=True,
         )
-    return proc.stdout
+    return out
 
 
 def _stage_failure(args: tuple[str, ...], code: int, record_file: Path, tail: str) -> StageFailed:
@@ -121,15 +121,7 @@ def run_dvc(
     with tempfile.TemporaryDirectory(prefix="gradline-stage-") as tmp:
         record_file = Path(tmp) / "error.json"
         env[ERROR_FILE_ENV] = str(record_file)
-        with subprocess.Popen(
-            [sys.executable, "-m", "dvc", *args],
-            cwd=root,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            bufsize=1,
-        ) as proc:
+        with dvc_process(root, *args, env=env, stdout=subprocess.PIPE, stderr=stderr) as proc:
             assert proc.stdout is not None
             try:
                 _stream(proc.stdout, tail, echo)
@@ -150,7 +142,10 @@ def _stream(stdout, tail: deque[str], echo: Callable[[str], None]) -> None:
 
 
 def stop_stage(
-    proc: subprocess.Popen, tail: deque[str], echo: Callable[[str], None], grace_s: float = 90
+    proc: subprocess.Popen | HostedProcess,
+    tail: deque[str],
+    echo: Callable[[str], None],
+    grace_s: float = 90,
 ) -> None:
     """Stop a running `dvc repro` and everything under it within `grace_s`.
 

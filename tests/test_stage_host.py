@@ -7,6 +7,7 @@ host answers. Every test starts processes and has a timeout."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,8 @@ import pytest
 
 from flows.stage_host import STAGE_HOST_ENV, stage_host
 from training.config import update_params_file
+from training.host_client import HostedProcess
+from training.mlops.dvc_cli import dvc_process
 
 from .conftest import copy_project
 
@@ -100,6 +103,39 @@ def test_a_stage_in_the_host_writes_and_says_what_the_cold_command_does(ingested
     assert host.poll() is not None  # stopped with its context
 
 
+def _cold_dvc(project: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "dvc", *args]
+    return subprocess.run(command, cwd=project, env=_env(), capture_output=True, text=True)
+
+
+def test_a_dvc_command_in_the_host_answers_as_the_cold_one(ingested) -> None:
+    """The flow's `dvc` commands fork from the host: the same answers, lines and exit
+    codes as `python -m dvc`, and the fork is the host's child, not a new interpreter."""
+    with stage_host() as host:
+        env = _env(**{STAGE_HOST_ENV: os.environ[STAGE_HOST_ENV]})
+        status = dvc_process(ingested, "status", "--json", env=env)
+        assert isinstance(status, HostedProcess)
+        assert psutil.Process(status.pid).ppid() == host.pid
+        out, _ = status.communicate()
+        assert json.loads(out) == json.loads(_cold_dvc(ingested, "status", "--json").stdout)
+        assert "shard" in json.loads(out)  # a real answer: shard has not run yet
+
+        merged = dvc_process(
+            ingested, "repro", "--single-item", "ingest", env=env, stderr=subprocess.STDOUT
+        )
+        lines = [line.rstrip() for line in merged.stdout]
+        assert merged.wait(timeout=60) == 0 and merged.poll() == 0
+        cold = _cold_dvc(ingested, "repro", "--single-item", "ingest")
+        assert lines == (cold.stdout + cold.stderr).splitlines()
+        assert "Stage 'ingest' didn't change, skipping" in lines
+
+        bad = dvc_process(ingested, "repro", "no-such-stage", env=env)
+        _, err = bad.communicate()
+    cold_bad = _cold_dvc(ingested, "repro", "no-such-stage")
+    assert bad.returncode == cold_bad.returncode != 0
+    assert "no-such-stage" in err and err == cold_bad.stderr
+
+
 def test_no_host_answering_means_the_command_runs_the_stage_itself(ingested, tmp_path) -> None:
     env = _env(**{STAGE_HOST_ENV: str(tmp_path / "nobody.sock")})
     done = subprocess.run(
@@ -155,7 +191,11 @@ def test_a_killed_command_takes_its_stage_and_workers_along(sharded, tmp_path) -
         env = _env(**{STAGE_HOST_ENV: os.environ[STAGE_HOST_ENV]})
         command = _start_slow_training(sharded, env, tmp_path / "train.log")
         forks = _children(host.pid)
-        assert len(forks) >= 3, forks  # the stage, its workers' forkserver, the workers
+        assert len(forks) >= 4, forks  # the stage, its workers' server, 2 workers, helper
+        # Nothing under the host imports torch or MLflow again: the workers' server and
+        # rank 0's tracking helper are forks too, not new interpreters.
+        spawned = [p.cmdline() for p in forks if "-c" in p.cmdline()]
+        assert all("resource_tracker" in " ".join(argv) for argv in spawned), spawned
         command.kill()
         command.wait()
         _, alive = psutil.wait_procs(forks, timeout=30)

@@ -40,21 +40,23 @@ from training.errors import GradlineError
 def worker_main(job: TrainJob) -> dict[str, Any] | None:
     adopt(job.launch)  # the launcher's environment and output (a forked worker has not)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    _die_with_the_agent()
     cfg = Config.model_validate(job.config)
     topo = Topology.from_env(cfg.runtime.backend)
     # The mesh for the ranks actually started (the launcher's world size is the truth).
     topo = topo.with_shape(cfg.parallel.degrees(topo.world_size))
+    job_dir = JobDir(Path(job.job_dir))
+    # Rank 0's tracking helper first, while this process has one thread and no
+    # communication or CUDA state: then it can be a fork of this one (tracking.py).
+    tracker = make_tracker(topo.is_main, job.tracking, job_dir.journal)
+    _die_with_the_agent()
     # N workers share the machine's cores: cap each so they don't oversubscribe.
     torch.set_num_threads(cfg.runtime.threads_per_worker)
     if cfg.runtime.pin_cpu_cores:  # before any thread starts: threads inherit the mask
         _pin_to_cores(topo.local_rank, cfg.runtime.threads_per_worker)
     _set_determinism(cfg, topo)
-    job_dir = JobDir(Path(job.job_dir))
     control = Control.connect(
         job.rdzv_endpoint, job.rdzv_id, cfg.runtime.collective_timeout_s, secret_from_environment()
     )
-    tracker = make_tracker(topo.is_main, job.tracking, job_dir.journal)
     try:
         _refuse_after_a_lasting_failure(control)
         with process_group(topo, cfg.runtime.collective_timeout_s):

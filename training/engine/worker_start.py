@@ -79,13 +79,93 @@ def start_method() -> str:
 
 
 def start_worker_server() -> None:
-    """Start the forkserver now, where workers will start from it: it imports the engine
-    in its own process while this one goes on (the train stage opens its MLflow run
-    meanwhile), instead of at the first launch, with the launcher waiting."""
-    if start_method() == "forkserver":
-        import multiprocessing.forkserver  # Unix only, as the method itself
+    """Start the forkserver now, where workers will start from it.
 
-        multiprocessing.forkserver.ensure_running()
+    Where this process has the engine imported already and runs no other thread (a
+    stage forked from the stage host, flows/stage_host.py), the server is a fork of it:
+    ready at once, nothing imported twice. Otherwise it is multiprocessing's own, a new
+    interpreter that imports the engine while this process goes on (the train stage
+    opens its MLflow run meanwhile), instead of at the first launch, with the launcher
+    waiting."""
+    if start_method() != "forkserver":
+        return
+    import multiprocessing.forkserver as forkserver  # Unix only, as the method itself
+
+    if _can_fork_server(forkserver):
+        _fork_server(forkserver)
+    else:
+        forkserver.ensure_running()
+
+
+# multiprocessing's forkserver state as Python 3.11 to 3.13 keep it; a server is forked
+# only where it is kept so (3.14 adds an authentication key, for one).
+_FORKSERVER_STATE = {
+    "_forkserver_address",
+    "_forkserver_alive_fd",
+    "_forkserver_pid",
+    "_inherited_fds",
+    "_lock",
+    "_preload_modules",
+}
+
+
+def _can_fork_server(forkserver) -> bool:
+    import threading
+
+    server = forkserver._forkserver
+    return (
+        set(vars(server)) == _FORKSERVER_STATE
+        and server._forkserver_pid is None
+        and all(module in sys.modules for module in PRELOAD)
+        and threading.active_count() == 1  # a fork keeps no other thread, nor its locks
+    )
+
+
+def _fork_server(forkserver) -> None:
+    """What `ensure_running` does, with a fork of this process as the server: a listener
+    only this user can reach, a liveness pipe every client holds, the server's loop."""
+    import socket
+    from multiprocessing import connection, resource_tracker
+
+    server = forkserver._forkserver
+    with server._lock:
+        resource_tracker.ensure_running()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the server: serves until every client is gone, then exits
+                _serve_forks(forkserver, listener.fileno(), alive_r, alive_w)
+            os.close(alive_r)
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+
+
+def _serve_forks(forkserver, listener_fd: int, alive_r: int, alive_w: int) -> None:
+    """The forked server's life: it never returns into the caller's code."""
+    global _ENVIRONMENT_AT_IMPORT
+    import threading
+    import traceback
+
+    code = 1
+    try:
+        os.close(alive_w)
+        # Held by the parent as it forked: a fresh one, as a new server would have.
+        forkserver._forkserver._lock = threading.Lock()
+        # The server's environment is this one: a worker compares its own against it.
+        _ENVIRONMENT_AT_IMPORT = dict(os.environ)
+        forkserver.main(listener_fd, alive_r, preload=[])
+        code = 0
+    except SystemExit as stop:  # the server's way out when its clients are gone
+        code = stop.code if isinstance(stop.code, int) else 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 def adopt(context: LaunchContext | None) -> None:

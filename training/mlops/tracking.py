@@ -205,8 +205,7 @@ class MlflowTracker:
         self._keep_pending = keep_pending  # checkpoint copies waiting to ship
         self._path, self._uri = journal, tracking_uri
         self._journal = journal.open("a", encoding="utf-8")
-        # A clean interpreter: nothing of the rank's CUDA or communication state.
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context(_helper_start_method())
         # When the server stopped answering (time.time()), 0 while it answers: the helper
         # sets it, close() reads it to decide whether waiting for the helper can help.
         self._outage_since = context.Value("d", 0.0)
@@ -342,6 +341,22 @@ def claim_pending(pending: Path) -> Path | None:
         with contextlib.suppress(FileNotFoundError):
             pending.rename(claimed)
     return claimed if claimed.exists() else None
+
+
+def _helper_start_method() -> str:
+    """How the helper starts: a clean interpreter (`spawn`), with nothing of the rank's
+    CUDA or communication state, which imports MLflow itself (~2 s of CPU, competing with
+    training). Where this process has MLflow's store imported already (a worker forked
+    from the stage host's preloaded modules) and has no such state yet (no other thread,
+    CUDA not initialized: the worker makes its tracker first thing), a fork is as clean
+    and ready at once."""
+    import threading
+
+    if "mlflow.store.tracking.sqlalchemy_store" not in sys.modules:
+        return "spawn"
+    torch = sys.modules.get("torch")
+    cuda_started = torch is not None and torch.cuda.is_initialized()
+    return "fork" if threading.active_count() == 1 and not cuda_started else "spawn"
 
 
 def _deprioritize(pid: int) -> None:
