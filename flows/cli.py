@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flows.environment import apply_offline_defaults
+from flows.process_end import end_process
 from flows.stage_host import stage_host
 from flows.supervise import SUPERVISED_ENV, supervise
 from flows.temporary_server import TemporaryServer, temporary_prefect_server
@@ -691,6 +692,15 @@ SUPERVISED_COMMANDS = ("run", "compare-updates", "sweep", "serve")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `gradline` command. Run as the process's own command (no `argv`), it ends the
+    process itself once the command returned: without tearing down the interpreter."""
+    code = _command(argv)
+    if argv is None:
+        end_process(code)
+    return code
+
+
+def _command(argv: list[str] | None) -> int:
     if (code := _stage_in_host(argv)) is not None:
         return code
     apply_offline_defaults()

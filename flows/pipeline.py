@@ -27,6 +27,7 @@ from tasks.quota import check_quota, device_slots
 from tasks.registry import (
     RunSummary,
     find_up_to_date_run,
+    prepare_registration,
     publish_failure,
     publish_summary,
     register_model,
@@ -103,6 +104,7 @@ def _run_steps(root: str, overrides: list[str], force: bool, accept_drift: bool)
                 return Completed(name="Skipped", message=latest.headline, data=latest)
         step = "ingest"
         prepare_reclaim()  # the device quota's lease clean-up, made ready as stages run
+        prepare_registration()  # and MLflow, for registration
         run_stage(cfg, root, "ingest", force)
         step = "drift"  # new data against the champion's: warn, or stop before training
         check_drift(root, cfg, accept_drift)

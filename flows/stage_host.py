@@ -29,7 +29,6 @@ The socket lives in a folder only this user can open, and the host runs nothing 
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import gc
@@ -43,11 +42,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from flows.process_end import end_process
 from training.host_client import HEADER, STAGE_HOST_ENV
 
 # What DVC's commands import (most of it lazily, as a command needs it): loaded first,
@@ -327,7 +326,7 @@ def _run_command(request: dict, streams: list[int]) -> None:
     except BaseException:  # as an uncaught exception ends a process: traceback, exit 1
         traceback.print_exc()
     finally:
-        _finish(code)
+        end_process(code)  # as the interpreter would, without the host's own teardown
 
 
 def _become(request: dict, streams: list[int]) -> None:
@@ -375,19 +374,6 @@ def _adopt_thread_count(environ: dict[str, str]) -> None:
         import torch
 
         torch.set_num_threads(os.cpu_count() or 1)
-
-
-def _finish(code: int) -> None:
-    """End the fork as the interpreter ends a process: wait for its threads, run the
-    exit handlers, flush the streams; then leave without the host's own teardown."""
-    with contextlib.suppress(BaseException):
-        threading._shutdown()
-    with contextlib.suppress(BaseException):
-        atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(BaseException):
-            stream.flush()
-    os._exit(code)
 
 
 _HOST_THREADS_ENV = os.environ.get("OMP_NUM_THREADS", "")

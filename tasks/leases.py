@@ -14,13 +14,13 @@ it, with Prefect's own revocation, before a run waits for slots.
 
 from __future__ import annotations
 
-import threading
 from uuid import UUID
 
 from prefect.settings import get_current_settings
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from tasks.prefect_api import lasting_api_url
+from tasks.warm_imports import import_in_background, wait_for_background_imports
 
 
 def local_leases() -> bool:
@@ -37,6 +37,7 @@ def reclaim_lapsed_slots() -> int:
     """
     if not _reclaims_here():
         return 0
+    wait_for_background_imports()  # Prefect's server package, queued by prepare_reclaim
     return run_coro_as_sync(_revoke_lapsed())
 
 
@@ -50,13 +51,11 @@ def prepare_reclaim() -> None:
     Prefect's server package) in the background now, while the flow's first stages run,
     instead of when training waits for its slots."""
     if _reclaims_here():
-        threading.Thread(target=_import_reclaim, name="prepare-reclaim", daemon=True).start()
-
-
-def _import_reclaim() -> None:
-    import prefect.server.concurrency.lease_storage
-    import prefect.server.database
-    import prefect.server.services.repossessor  # noqa: F401
+        import_in_background(
+            "prefect.server.concurrency.lease_storage",
+            "prefect.server.database",
+            "prefect.server.services.repossessor",
+        )
 
 
 async def _revoke_lapsed() -> int:

@@ -10,6 +10,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from tasks.dvc_stages import stale_stages
+from tasks.warm_imports import import_in_background, wait_for_background_imports
 from training.config import Config
 from training.data.manifest import MANIFEST, read_manifest, split_digest
 from training.mlops.drift import record_drift
@@ -30,12 +31,25 @@ def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
     return up_to_date_run(Path(root), cfg, stale_stages, get_run_logger().info)
 
 
+def prepare_registration() -> None:
+    """Import MLflow's client and stores (~1 s) in the background now, while the flow's
+    stages run, instead of when the flow registers (the first MLflow call of a run that
+    does not skip)."""
+    import_in_background(
+        "mlflow",
+        "mlflow.tracking",
+        "mlflow.store.tracking.sqlalchemy_store",
+        "mlflow.store.model_registry.sqlalchemy_store",
+    )
+
+
 @task(name="register-model", task_run_name="register-model")
 def register_model(root: str, cfg: Config) -> RunSummary:
     """Register the trained model and gate it on the task's metric against its baseline
     and the champion, both on the current test split; first ship what the job left in
     its journal, waiting up to orchestrate.tracking_wait_s for a server that is down."""
     logger = get_run_logger()
+    wait_for_background_imports()  # MLflow's, queued by prepare_registration
     return register_trained(Path(root), cfg, cfg.orchestrate.tracking_wait_s, logger.info)
 
 
