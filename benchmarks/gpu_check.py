@@ -10,6 +10,9 @@ few packages) on the GPU and prints one line per check, then key=value figures:
 - resume: stopped on request at step 20 (a preemption notice), run again: it resumes
           from the signed checkpoint of step 20 and finishes; the final weights equal
           an uninterrupted run's to bf16 rounding.
+All of them start their workers from the server a train stage forked from the stage host
+starts (`worker_server`, checked first: on a CUDA build a new interpreter, not a fork of
+a process that has queried CUDA).
 Usage: python -m benchmarks.gpu_check [--steps 60]
 """
 
@@ -122,6 +125,22 @@ def _tensors(value):
             yield from _tensors(item)
 
 
+def worker_server_forked() -> bool:
+    """Start the workers' server as a train stage forked from the stage host does (this
+    process imported the engine, runs one thread and asked for CUDA): whether it is a
+    fork of this process. It must not be: CUDA's first query here marks every later
+    fork unable to use it. Every job below starts its CUDA workers from that server."""
+    import multiprocessing.forkserver
+
+    import training.engine.worker  # noqa: F401  (what the stage host preloads)
+    from training.engine.worker_start import start_worker_server
+
+    start_worker_server()
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return pid is not None and b"forkserver import main" not in command
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
@@ -131,6 +150,8 @@ def main() -> None:
     if not args.cpu:
         assert torch.cuda.is_available(), "no CUDA device: this check is for a GPU machine"
     use_throwaway_signing_key()
+    forked = worker_server_forked()  # never on a CUDA build: its workers could not use CUDA
+    report("worker_server", not forked, "forked" if forked else "a new interpreter")
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

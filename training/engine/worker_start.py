@@ -81,12 +81,12 @@ def start_method() -> str:
 def start_worker_server() -> None:
     """Start the forkserver now, where workers will start from it.
 
-    Where this process has the engine imported already and runs no other thread (a
-    stage forked from the stage host, flows/stage_host.py), the server is a fork of it:
-    ready at once, nothing imported twice. Otherwise it is multiprocessing's own, a new
-    interpreter that imports the engine while this process goes on (the train stage
-    opens its MLflow run meanwhile), instead of at the first launch, with the launcher
-    waiting."""
+    Where this process has the engine imported already, runs no other thread and has a
+    CPU-only torch (a stage forked from the stage host, flows/stage_host.py, on a machine
+    without GPUs), the server is a fork of it: ready at once, nothing imported twice.
+    Otherwise it is multiprocessing's own, a new interpreter that imports the engine while
+    this process goes on (the train stage opens its MLflow run meanwhile), instead of at
+    the first launch, with the launcher waiting."""
     if start_method() != "forkserver":
         return
     import multiprocessing.forkserver as forkserver  # Unix only, as the method itself
@@ -112,12 +112,19 @@ _FORKSERVER_STATE = {
 def _can_fork_server(forkserver) -> bool:
     import threading
 
+    import torch
+
     server = forkserver._forkserver
     return (
         set(vars(server)) == _FORKSERVER_STATE
         and server._forkserver_pid is None
         and all(module in sys.modules for module in PRELOAD)
         and threading.active_count() == 1  # a fork keeps no other thread, nor its locks
+        # A CUDA build's first device query (the config's, choosing nccl) marks every
+        # later fork unable to use CUDA, and nothing says whether it happened: there,
+        # the workers come from a new interpreter, as before.
+        and torch.version.cuda is None
+        and getattr(torch.version, "hip", None) is None
     )
 
 
