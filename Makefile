@@ -6,8 +6,10 @@ BIN := $(VENV)/bin
 # so pip keeps it instead of fetching a multi-GB CUDA build.
 TORCH := torch==2.13.0
 # Test processes (pytest-xdist); a file's tests stay in one, so module set-up runs once.
+# Files start in the order tests/conftest.py gives them (the ones that wait on timers,
+# then the end-to-end and multi-process ones), not xdist's most-tests-first.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 export DO_NOT_TRACK := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flows.environment import apply_offline_defaults
+from flows.prefect_settings import prefect_setting_configured
 from flows.process_end import end_process
 from flows.stage_host import stage_host
 from flows.supervise import SUPERVISED_ENV, supervise
@@ -117,32 +118,8 @@ def nothing_changed_here(args: argparse.Namespace) -> bool:
 
 
 def prefect_api_configured() -> bool:
-    """Whether Prefect is pointed at an API server: PREFECT_API_URL in the environment,
-    the active profile, a prefect.toml, pyproject's [tool.prefect] or a .env here. Read
-    without importing Prefect, which alone costs about a second."""
-    if os.environ.get("PREFECT_API_URL"):
-        return True
-    home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
-    profiles = Path(os.environ.get("PREFECT_PROFILES_PATH", home / "profiles.toml")).expanduser()
-    settings = _toml(profiles)
-    active = os.environ.get("PREFECT_PROFILE") or settings.get("active", "ephemeral")
-    if settings.get("profiles", {}).get(active, {}).get("PREFECT_API_URL"):
-        return True
-    if _toml(Path("prefect.toml")).get("api", {}).get("url"):
-        return True
-    if _toml(Path("pyproject.toml")).get("tool", {}).get("prefect", {}).get("api", {}).get("url"):
-        return True
-    dotenv = Path(".env")
-    return dotenv.is_file() and "PREFECT_API_URL" in dotenv.read_text(errors="replace")
-
-
-def _toml(path: Path) -> dict:
-    import tomllib
-
-    try:
-        return tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
-        return {}
+    """Whether Prefect is pointed at an API server (read without importing Prefect)."""
+    return prefect_setting_configured("PREFECT_API_URL")
 
 
 def prefect_unreachable(exc: Exception) -> OrchestratorUnreachable:

@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from flows.prefect_database import default_database, save_template, seed_database
 from tasks.prefect_api import TEMPORARY_SERVER_ENV
 from training.errors import OrchestratorUnreachable
 
@@ -41,12 +42,18 @@ class TemporaryServer:
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.ready = False
+        # PREFECT_HOME's database when the server is to create it (no template to copy):
+        # copied as the template once the server answers (flows/prefect_database.py).
+        self.creates_database: Path | None = None
 
     @property
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/api"
 
     def start(self) -> None:
+        database = default_database()
+        if database is not None and not database.exists() and not seed_database(database):
+            self.creates_database = database
         self.port = _free_port()
         self.proc = subprocess.Popen(self._command(), env=self._environment())
 
@@ -105,6 +112,9 @@ class TemporaryServer:
             self.ready = prefect_api_answers(self.api_url)
             if not self.ready:
                 time.sleep(0.1)
+        if self.creates_database is not None:  # answering: migrated, and nothing run yet
+            save_template(self.creates_database)
+            self.creates_database = None
 
     def point_here(self) -> None:
         os.environ["PREFECT_API_URL"] = self.api_url

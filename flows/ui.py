@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from flows.prefect_database import default_database, seed_database
 from training.errors import TrackingError
 from training.project import default_tracking_uri
 
@@ -123,6 +124,7 @@ def prefect_server(options: UiOptions) -> tuple[list[str], dict[str, str]]:
     )
     if options.auth:
         env.update(prefect_auth_environment())
+    seed_database(default_database())  # a new PREFECT_HOME: no migrations to wait for
     cmd = [str(Path(sys.executable).parent / "prefect"), "server", "start"]
     cmd += ["--host", "127.0.0.1", "--port", str(options.prefect_port)]
     return cmd, env

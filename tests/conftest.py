@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import copy_project  # the tests' fresh clones
+from flows.prefect_database import CACHE_DIR_ENV
 from flows.stage_host import STAGE_HOST_ENV
 from tests.servers import SharedPrefect, SharedStageHost
 from training.config import DataConfig, ShardConfig
@@ -43,6 +44,34 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped under CI ({CI_ENV}=1), where every test must run: {reason}"
+
+
+# The order test files start in (`make test` hands whole files to its test processes, in
+# collection order): the longest first, so the suite does not end waiting on one of them,
+# and the ones that mostly wait on timers before all, so that their waits overlap the
+# other processes' work.
+_START_ORDER = ("waits", "e2e", "multiprocess")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        marks = {mark.name for mark in item.iter_markers()}
+        return next((i for i, name in enumerate(_START_ORDER) if name in marks), len(_START_ORDER))
+
+    first_rank: dict[Path, int] = {}
+    for item in items:
+        first_rank[item.path] = min(first_rank.get(item.path, len(_START_ORDER)), rank(item))
+    # Stable: a file's tests keep their order, and files of one rank theirs.
+    items.sort(key=lambda item: first_rank[item.path])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_cache_for_the_test_run(tmp_path_factory) -> None:
+    """gradline's cache (the new Prefect homes' database template) in the test run's
+    temporary folder, shared by its test processes: not the user's own."""
+    base = tmp_path_factory.getbasetemp()
+    run_root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ[CACHE_DIR_ENV] = str(run_root / "gradline-cache")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from flows.environment import OFFLINE_DEFAULTS
+from flows.prefect_database import save_template, seed_database
 from flows.stage_host import STAGE_HOST_ENV, stage_host
 from flows.temporary_server import prefect_api_answers
 
@@ -69,6 +70,10 @@ class PrefectServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        # A new home's database from the template, as a `gradline run` starts its
+        # temporary server (flows/prefect_database.py); else made, and kept as one.
+        database = self.home / "prefect.db"
+        creates = not database.exists() and not seed_database(database)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
         env.update(OFFLINE_DEFAULTS, PREFECT_HOME=str(self.home))
         cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1"]
@@ -86,6 +91,8 @@ class PrefectServer:
                 self.stop()
                 pytest.fail(f"prefect server did not start:\n{self.log()}")
             time.sleep(0.2)
+        if creates:
+            save_template(database)
 
     def _healthy(self) -> bool:
         return prefect_api_answers(self.api)

@@ -1,0 +1,113 @@
+"""A new PREFECT_HOME's database, copied from one Prefect made before instead of migrated
+again.
+
+A Prefect server on a home without a database creates it by running every Alembic
+migration of Prefect's history (115 of them in Prefect 3.9, many rebuilding a table, each statement a
+thread hop through aiosqlite): ~6 s of CPU, and 10 s or more of wall time before the
+first run of a new home can begin. The result is the same file each time for one Prefect
+version: its tables, the migration head, and the block types Prefect registers at start.
+
+So the first server this machine starts on a new home leaves a copy of that database,
+taken the moment it answers and before anything runs on it, in gradline's cache
+(`~/.cache/gradline/`, or $XDG_CACHE_HOME/gradline, or $GRADLINE_CACHE_DIR), named by
+Prefect's version. A later server on another new home starts from a copy of it. Prefect
+still checks it at start: it runs its migrations (none left to apply) and registers its
+block types, as on any database.
+
+Only the default database is seeded: SQLite in PREFECT_HOME, no connection URL set. What
+a run leaves in its own database never goes into the copy: the copy is taken before the
+run's flow starts, and without the server's telemetry session (the `configuration`
+table, which a fresh database does not have).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import sqlite3
+import tempfile
+from pathlib import Path
+
+from flows.prefect_settings import prefect_home, prefect_setting_configured
+
+CACHE_DIR_ENV = "GRADLINE_CACHE_DIR"
+DATABASE_URL_SETTINGS = (
+    "PREFECT_API_DATABASE_CONNECTION_URL",
+    "PREFECT_SERVER_DATABASE_CONNECTION_URL",
+)
+
+
+def default_database() -> Path | None:
+    """The SQLite file a Prefect server started here would use, when it is Prefect's
+    default (no connection URL configured); None otherwise."""
+    if any(prefect_setting_configured(name) for name in DATABASE_URL_SETTINGS):
+        return None
+    return prefect_home() / "prefect.db"
+
+
+def template_path() -> Path:
+    return cache_dir() / f"prefect-{importlib.metadata.version('prefect')}.db"
+
+
+def cache_dir() -> Path:
+    """gradline's per-user cache: GRADLINE_CACHE_DIR, else gradline/ in the user's cache."""
+    if configured := os.environ.get(CACHE_DIR_ENV):
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gradline"
+
+
+def seed_database(database: Path | None) -> bool:
+    """Give `database`, when it does not exist yet, the template's content; whether it
+    did. Never replaces a database: one that appeared meanwhile (another server on the
+    same new home) is kept, since a server may already have it open."""
+    template = template_path()
+    if database is None or database.exists() or not template.is_file():
+        return False
+    database.parent.mkdir(parents=True, exist_ok=True)
+    staged = _staged_copy(template, database.parent)
+    try:
+        os.link(staged, database)  # fails, changing nothing, if the database exists now
+    except FileExistsError:
+        return False
+    finally:
+        staged.unlink()
+    return True
+
+
+def save_template(database: Path) -> None:
+    """Keep a copy of the just-created `database` as the template (whole or not at all);
+    a template that cannot be written only costs the next new home its migrations."""
+    template = template_path()
+    if template.is_file():
+        return
+    with contextlib.suppress(OSError, sqlite3.Error):
+        template.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, name = tempfile.mkstemp(dir=template.parent, suffix=".part")
+        os.close(descriptor)
+        staged = Path(name)
+        try:
+            # SQLite's backup: a consistent copy of a database a server has open.
+            with (
+                contextlib.closing(sqlite3.connect(database)) as source,
+                contextlib.closing(sqlite3.connect(staged)) as copy,
+            ):
+                source.backup(copy)
+                copy.execute("DELETE FROM configuration")  # the telemetry session
+                copy.commit()
+                copy.execute("VACUUM")  # without the pages the backup left free
+                if copy.execute("PRAGMA quick_check").fetchone() != ("ok",):
+                    return
+            os.replace(staged, template)
+        finally:
+            staged.unlink(missing_ok=True)
+
+
+def _staged_copy(template: Path, folder: Path) -> Path:
+    """A private copy of `template` in `folder` (the database's own file system, so that
+    it can become the database with a link)."""
+    descriptor, name = tempfile.mkstemp(dir=folder, prefix=".prefect-db-", suffix=".part")
+    with os.fdopen(descriptor, "wb") as out, template.open("rb") as source:
+        while chunk := source.read(1 << 20):
+            out.write(chunk)
+    return Path(name)
