@@ -2,9 +2,9 @@
 again.
 
 A Prefect server on a home without a database creates it by running every Alembic
-migration of Prefect's history (115 of them in Prefect 3.9, many rebuilding a table, each statement a
-thread hop through aiosqlite): ~6 s of CPU, and 10 s or more of wall time before the
-first run of a new home can begin. The result is the same file each time for one Prefect
+migration of Prefect's history (115 in Prefect 3.9, many rebuilding a table, each
+statement a thread hop through aiosqlite): ~6 s of CPU, and 10 s or more of wall time
+before the first run of a new home can begin. The result is the same file each time for one Prefect
 version: its tables, the migration head, and the block types Prefect registers at start.
 
 So the first server this machine starts on a new home leaves a copy of that database,
