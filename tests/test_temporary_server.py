@@ -18,8 +18,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 @pytest.fixture
 def own_home(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    monkeypatch.delenv(TEMPORARY_SERVER_ENV, raising=False)
+    # Set, then removed: monkeypatch then restores them after the test, also over what
+    # `point_here` writes (a dead server's address would reach every later test here).
+    for name in ("PREFECT_API_URL", TEMPORARY_SERVER_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def test_it_answers_says_it_is_temporary_and_is_gone_when_stopped(own_home, monkeypatch):
