@@ -4,8 +4,9 @@ again.
 A Prefect server on a home without a database creates it by running every Alembic
 migration of Prefect's history (115 in Prefect 3.9, many rebuilding a table, each
 statement a thread hop through aiosqlite): ~6 s of CPU, and 10 s or more of wall time
-before the first run of a new home can begin. The result is the same file each time for one Prefect
-version: its tables, the migration head, and the block types Prefect registers at start.
+before the first run of a new home can begin. The result is the same file each time for
+one Prefect version: its tables, the migration head, and the block types Prefect
+registers at start.
 
 So the first server this machine starts on a new home leaves a copy of that database,
 taken the moment it answers and before anything runs on it, in gradline's cache
@@ -73,6 +74,12 @@ def seed_database(database: Path | None) -> bool:
     finally:
         staged.unlink()
     return True
+
+
+def seeded_or_to_create(database: Path | None) -> bool:
+    """Seed `database` where it is new and a template exists; whether a server starting on
+    it now will create it instead (and should leave the template once it answers)."""
+    return database is not None and not database.exists() and not seed_database(database)
 
 
 def save_template(database: Path) -> None:

@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from flows.prefect_database import default_database, save_template, seed_database
+from flows.prefect_database import default_database, save_template, seeded_or_to_create
 from tasks.prefect_api import TEMPORARY_SERVER_ENV
 from training.errors import OrchestratorUnreachable
 
@@ -52,7 +52,7 @@ class TemporaryServer:
 
     def start(self) -> None:
         database = default_database()
-        if database is not None and not database.exists() and not seed_database(database):
+        if seeded_or_to_create(database):
             self.creates_database = database
         self.port = _free_port()
         self.proc = subprocess.Popen(self._command(), env=self._environment())

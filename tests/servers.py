@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from flows.environment import OFFLINE_DEFAULTS
-from flows.prefect_database import save_template, seed_database
+from flows.prefect_database import save_template, seeded_or_to_create
 from flows.stage_host import STAGE_HOST_ENV, stage_host
 from flows.temporary_server import prefect_api_answers
 
@@ -73,7 +73,7 @@ class PrefectServer:
         # A new home's database from the template, as a `gradline run` starts its
         # temporary server (flows/prefect_database.py); else made, and kept as one.
         database = self.home / "prefect.db"
-        creates = not database.exists() and not seed_database(database)
+        creates = seeded_or_to_create(database)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
         env.update(OFFLINE_DEFAULTS, PREFECT_HOME=str(self.home))
         cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1"]
