@@ -115,6 +115,31 @@ def test_a_helper_ends_when_a_left_over_helper_already_shipped_its_writers_end(t
     assert not helper.is_alive(), "the helper waits for an end that was already shipped"
 
 
+def test_a_copy_of_a_job_resumed_into_a_new_run_ships_it_the_whole_journal(tmp_path):
+    """What a job's helper shipped to its run is not shipped to another: a copy of the job
+    resumed into a new run gives that run every value the journal holds, each once, even
+    where the first run received part of it before the copy was made."""
+    from training.mlops.tracking import append_records, ensure_experiment, ship_pending
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    experiment = ensure_experiment(uri, "copies", (tmp_path / "artifacts").as_uri())
+    first, second = (client(uri).create_run(experiment).info.run_id for _ in range(2))
+    journal = tmp_path / "job" / "tracking.jsonl"
+    journal.parent.mkdir()
+
+    def losses(steps: range) -> list[dict]:
+        return [{"kind": "metrics", "step": s, "time": 0, "values": {"loss": 1 / s}} for s in steps]
+
+    append_records(journal, losses(range(1, 9)))
+    assert ship_pending(uri, first, journal).records == 8  # the first run, steps 1..8
+    append_records(journal, losses(range(9, 13)))  # its copy trains on into a new run
+    assert ship_pending(uri, second, journal).records == 12
+    assert ship_pending(uri, second, journal).records == 0  # nothing twice
+    for run_id, last in ((first, 8), (second, 12)):
+        steps = sorted(m.step for m in client(uri).get_metric_history(run_id, "loss"))
+        assert steps == list(range(1, last + 1))
+
+
 # --- The server still down when training ends: the train stage finishes, registration
 # waits orchestrate.tracking_wait_s and fails naming what is kept; `gradline sync` ships.
 

@@ -548,12 +548,22 @@ def _shipped_file(journal: Path) -> Path:
     return journal.with_name(journal.name + ".shipped")
 
 
-def shipped_offset(journal: Path) -> int:
-    """Bytes of the journal the tracking store holds (saved after each shipped chunk)."""
+def shipped_offset(journal: Path, run_id: str | None = None) -> int:
+    """Bytes of the journal the tracking store holds (saved after each shipped chunk) in
+    run `run_id` (default: the run they were shipped to). For another run, none: a copy
+    of a job resumed into a new run gives that run the whole journal, not just what its
+    first run had not received yet."""
     try:
-        return json.loads(_shipped_file(journal).read_text())["offset"]
+        shipped = json.loads(_shipped_file(journal).read_text())
     except FileNotFoundError:
         return 0
+    if run_id is not None and shipped.get("run_id", run_id) != run_id:
+        return 0
+    return shipped["offset"]
+
+
+def _save_shipped(journal: Path, run_id: str, offset: int) -> None:
+    write_json(_shipped_file(journal), {"run_id": run_id, "offset": offset})
 
 
 def read_journal(journal: Path, offset: int) -> tuple[list[dict], int]:
@@ -612,7 +622,7 @@ def ship_pending(
     does (each value once), and move the offset on: for a job whose helper left records
     behind (the server was down as training ended)."""
     with shipper_lock(journal), fail_fast_requests():
-        offset = shipped_offset(journal)
+        offset = shipped_offset(journal, run_id)
         records, end = read_journal(journal, offset)
         if not records:
             return Shipped(0, 0)
@@ -621,7 +631,7 @@ def ship_pending(
         _ship_through_outages(
             mlflow_client, run_id, records, {}, deadline=deadline, actions=actions
         )
-        write_json(_shipped_file(journal), {"offset": end})
+        _save_shipped(journal, run_id, end)
         return Shipped(len(records), copies)
 
 
@@ -647,7 +657,7 @@ def _tracking_process(
     with shipper_lock(path), fail_fast_requests():
         mlflow_client = client(tracking_uri)
         logged_until: dict[str, int] = {}
-        offset = shipped_offset(path)
+        offset = shipped_offset(path, run_id)
         # A helper left over from a killed attempt, which held the lock until now, ships
         # whatever the journal holds: this writer's records too, its `end` among them if
         # the writer finished first. Waiting for that `end` again would never return.
@@ -659,7 +669,7 @@ def _tracking_process(
                 _ship_through_outages(
                     mlflow_client, run_id, records, logged_until, outage_since=outage_since
                 )
-                write_json(_shipped_file(path), {"offset": end})
+                _save_shipped(path, run_id, end)
             elif not pid_alive(writer_pid):
                 return  # the writer was killed: all it wrote is shipped
             else:
