@@ -5,11 +5,14 @@ BIN := $(VENV)/bin
 # torch first, pinned to the CPU build this machine serves; the project's range admits it,
 # so pip keeps it instead of fetching a multi-GB CUDA build.
 TORCH := torch==2.13.0
-# Test processes (pytest-xdist); a file's tests stay in one, so module set-up runs once.
-# Files start in the order tests/conftest.py gives them (the ones that wait on timers,
-# then the end-to-end and multi-process ones), not xdist's most-tests-first.
-TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# Test processes (pytest-xdist): a file's tests stay in one, so module set-up runs once;
+# files start in the order tests/conftest.py gives them, not xdist's most-tests-first.
+# The files that mostly sleep on Prefect's timers are one unit of work (tests/scheduling.py),
+# started first in a process of their own while the other two keep both cores busy.
+# The fast tier has none of those: a process per core.
+TEST_WORKERS ?= 3
+FAST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q --dist loadfile --no-loadscope-reorder
 export DO_NOT_TRACK := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
@@ -34,12 +37,12 @@ test: $(VENV)/.installed-dev browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
-	$(PYTEST) --durations=25
+	$(PYTEST) -n $(TEST_WORKERS) --durations=25
 
 # The fast tier: unit and single-process tests (no worker processes, no CLI end to end),
 # under 2 minutes on 2 cores.
 test-fast: $(VENV)/.installed-dev
-	$(PYTEST) -m "not multiprocess and not e2e" --durations=10
+	$(PYTEST) -n $(FAST_WORKERS) -m "not multiprocess and not e2e" --durations=10
 
 # The UI test renders the UIs in a headless Chromium. Installed with apt-get when it is
 # missing and this user may; otherwise say how (under CI the test would fail, not skip).

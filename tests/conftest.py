@@ -14,6 +14,7 @@ import pytest
 from benchmarks.common import copy_project  # the tests' fresh clones
 from flows.prefect_database import CACHE_DIR_ENV
 from flows.stage_host import STAGE_HOST_ENV
+from tests.scheduling import files_and_one_unit_of_waits, waits_on_timers
 from tests.servers import SharedPrefect, SharedStageHost
 from training.config import DataConfig, ShardConfig
 from training.data.ingest import ingest
@@ -46,14 +47,25 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped under CI ({CI_ENV}=1), where every test must run: {reason}"
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which `make test` uses
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the tests that wait on timers in one process of their own."""
+    if config.getvalue("dist") == "loadfile":
+        return files_and_one_unit_of_waits(config, log)
+    return None
+
+
 # The order test files start in (`make test` hands whole files to its test processes, in
-# collection order): the longest first, so the suite does not end waiting on one of them,
-# and the ones that mostly wait on timers before all, so that their waits overlap the
-# other processes' work.
+# collection order): the ones that mostly wait on timers first (in one process,
+# tests/scheduling.py), then the longest, so that the suite does not end waiting on one.
 _START_ORDER = ("waits", "e2e", "multiprocess")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if waits_on_timers(str(item.path)):
+            item.add_marker(pytest.mark.waits)
+
     def rank(item: pytest.Item) -> int:
         marks = {mark.name for mark in item.iter_markers()}
         return next((i for i, name in enumerate(_START_ORDER) if name in marks), len(_START_ORDER))

@@ -223,7 +223,6 @@ def _check_two_node_job(cluster: Cluster, folders: list[Path], expected) -> None
     assert {"system_cpu_percent/node0", "system_cpu_percent/node1"} <= metrics.keys()
 
 
-@pytest.mark.waits
 @pytest.mark.timeout(480)
 def test_losing_a_node_the_job_goes_on_with_the_other(tiny_shards, tmp_path) -> None:
     """nnodes 1:2: SIGKILL to the second node's agent (its workers die with it); the first

@@ -14,7 +14,7 @@ from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, tempor
 from tasks.slot_lease import SlotLease
 from tests.servers import running_prefect_server, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.waits, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 LEASE_S = 60  # the server's shortest lease
 
 

@@ -16,7 +16,7 @@ from tests.conftest import WebhookReceiver
 from tests.servers import running_prefect_server, wait_for
 from tests.test_orchestration import BIN, _env, _processes_marked, _project
 
-pytestmark = [pytest.mark.e2e, pytest.mark.waits, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 @pytest.fixture
