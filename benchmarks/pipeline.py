@@ -16,7 +16,8 @@ The split of that run:
   overhead_s, everything else (DVC, the stage process's start-up and imports). A stage's
   own work is its function's time, except train's, which is the training loop;
 - flow_rest_s: the flow's tasks between the stages (params, drift, push, register) and
-  the way out;
+  the way out; split into flow.<step>_s (a step's wall less the stage it ran, if any)
+  and flow.exit_s (from the flow's last step to the command's exit);
 - skip_wall_s: the second `gradline run`, which finds everything up to date;
 - forced_wall_s: a third, `gradline run --force`, which runs every stage again on a
   Prefect home that is no longer new (its database exists): what a rerun costs once a
@@ -88,6 +89,15 @@ def split_run(records: list[dict], started: float, wall: float, loop_s: float) -
         out[f"{stage}.overhead_s"] = stage_wall - own
         stage_walls += stage_wall
     out["flow_rest_s"] = wall - out["startup_s"] - stage_walls
+    # flow_rest_s by the flow's steps (training/timings.StepClock), less the stage walls
+    # within them, and the way out: from the flow's last step to the command's exit.
+    steps = [r for r in records if r["what"] == "flow_step"]
+    for record in steps:
+        stage = record["step"] if record["step"] in STAGES else None
+        own = out[f"{stage}.wall_s"] if stage else 0.0
+        key = f"flow.{record['step']}_s"
+        out[key] = out.get(key, 0.0) + record["seconds"] - own
+    out["flow.exit_s"] = wall - out["startup_s"] - sum(r["seconds"] for r in steps)
     return out
 
 

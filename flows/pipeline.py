@@ -38,7 +38,7 @@ from training.engine.signing import job_secret
 from training.errors import GradlineError
 from training.lock import project_lock
 from training.project import Project, find_project_root
-from training.timings import record_timing
+from training.timings import StepClock, record_timing
 
 
 @task(name="apply-params", task_run_name="apply-params")
@@ -90,29 +90,30 @@ def pipeline(
 
 def _run_steps(root: str, overrides: list[str], force: bool, accept_drift: bool) -> RunSummary:
     record_timing(what="flow_began")
-    step = "params"
+    step = StepClock("params")
     try:
         cfg = apply_params(root, overrides)
         if not force:
-            step = "check-up-to-date"
+            step.at("check-up-to-date")
             if latest := find_up_to_date_run(root, cfg):
                 # Registered implies pushed, but the remote may have changed since (a new
                 # URL, a store wiped): a push that finds it all there costs under a second.
-                step = "push"
+                step.at("push")
                 push_all(root)
                 publish_summary(latest)
+                step.at("done")
                 return Completed(name="Skipped", message=latest.headline, data=latest)
-        step = "ingest"
+        step.at("ingest")
         prepare_reclaim()  # the device quota's lease clean-up, made ready as stages run
         prepare_registration()  # and MLflow, for registration
         run_stage(cfg, root, "ingest", force)
-        step = "drift"  # new data against the champion's: warn, or stop before training
+        step.at("drift")  # new data against the champion's: warn, or stop before training
         check_drift(root, cfg, accept_drift)
-        step = "push-data"
+        step.at("push-data")
         push_data(root)
-        step = "shard"
+        step.at("shard")
         run_stage(cfg, root, "shard", force)
-        step = "train"
+        step.at("train")
         # Devices are held only when training will run: DVC skips an up-to-date stage.
         will_train = force or stale_stages(Path(root), "train")
         if will_train and cfg.orchestrate.train_pool:
@@ -120,20 +121,22 @@ def _run_steps(root: str, overrides: list[str], force: bool, accept_drift: bool)
         else:
             with device_slots(cfg) if will_train else contextlib.nullcontext():
                 run_stage(cfg, root, "train", force)
-        step = "evaluate"
+        step.at("evaluate")
         run_stage(cfg, root, "evaluate", force)
-        step = "push"  # every output on the remote before a version points at them
+        step.at("push")  # every output on the remote before a version points at them
         push_all(root)
-        step = "register"
+        step.at("register")
         summary = register_model(root, cfg)
     except Exception as exc:
-        publish_failure(step, exc)
+        publish_failure(step.current, exc)
         if notify := _notify_target(root):
-            notify_failure(notify, root, step, exc)
+            notify_failure(notify, root, step.current, exc)
         raise
+    step.at("summary")
     publish_summary(summary)
     if cfg.orchestrate.notify and "champion" in summary.alias.split(","):
         notify_champion(cfg.orchestrate.notify, root, summary)
+    step.at("done")
     return summary
 
 

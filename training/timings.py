@@ -38,3 +38,17 @@ def timed_span(what: str, **fields: object) -> Iterator[None]:
         yield
     finally:
         record_timing(what=what, seconds=time.perf_counter() - started, **fields)
+
+
+class StepClock:
+    """Which step a run is at (named when it fails) and, when timings are wanted, each
+    step's wall as `{what: "flow_step", step, seconds}`, recorded as the next one begins."""
+
+    def __init__(self, first: str) -> None:
+        self.current, self._began = first, time.perf_counter()
+
+    def at(self, step: str) -> None:
+        """The run moves on to `step`."""
+        now = time.perf_counter()
+        record_timing(what="flow_step", step=self.current, seconds=now - self._began)
+        self.current, self._began = step, now
