@@ -110,12 +110,12 @@ def up_to_date_run(
     source, the params and the stages' code); the run itself must have finished and been
     registered.
     """
-    from mlflow.exceptions import MlflowException  # deferred: importing mlflow costs ~1.6 s
-
     paths = Project(root)
     if not paths.train_result.is_file():
         say("no previous run in this project")
-        return None
+        return None  # before importing MLflow (~1.6 s): a first run has no use for it yet
+    from mlflow.exceptions import MlflowException
+
     # MLflow first: a `stale` that already runs in the background (the CLI's) overlaps
     # with importing mlflow, the two slow parts of the check.
     run_id = paths.read_train_result()["run_id"]
