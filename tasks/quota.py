@@ -35,12 +35,20 @@ class QuotaWaitExpired(GradlineError):
     """The device slots did not come free within orchestrate.quota_wait_s."""
 
 
+# What a machine with a GPU driver has (NVIDIA, ROCm, WSL's GPU bridge): without any of
+# them torch sees no GPU, and the flow need not import it (~1 s) to be told so.
+GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia/gpus", "/dev/kfd", "/dev/dxg")
+
+
 def devices_here() -> int:
     """What this machine can train on: its GPUs, or its CPU cores when it has none."""
-    import torch  # deferred: ~2 s, and only the first flow on a server creates the limit
+    gpus = 0
+    if any(os.path.exists(path) for path in GPU_DRIVER_PATHS):
+        import torch  # deferred: ~1 s, and only the first flow on a server creates the limit
 
+        gpus = torch.cuda.device_count()  # what this process may use (CUDA_VISIBLE_DEVICES)
     # The cores this process may use (affinity, cpusets), not all the host has.
-    return torch.cuda.device_count() or len(os.sched_getaffinity(0)) or 1
+    return gpus or len(os.sched_getaffinity(0)) or 1
 
 
 def ensure_limit(name: str, slots: int) -> int:
