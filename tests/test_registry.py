@@ -62,6 +62,29 @@ def _description(store, version: int) -> str:
     return client(store[0]).get_model_version(NAME, str(version)).description
 
 
+def test_a_lone_champion_does_not_wait_to_settle_but_one_among_recent_versions_does(
+    store, monkeypatch
+) -> None:
+    """A new champion waits SETTLE_S for registrations running beside it only when other
+    versions were registered lately: the first registration of a name has nobody to wait
+    for, a second right after it may."""
+    from training.mlops import registry
+
+    settles: list[float] = []
+    sleep = registry.time.sleep
+
+    def recorded(seconds: float) -> None:  # every sleep still sleeps; the settles are noted
+        if seconds == registry.SETTLE_S:
+            settles.append(seconds)
+        sleep(seconds)
+
+    monkeypatch.setattr(registry.time, "sleep", recorded)
+    assert _gate(store, _trained(store, 0.90), 0.90).alias == "champion"
+    assert settles == []
+    assert _gate(store, _trained(store, 0.95), 0.95).alias == "champion"
+    assert settles == [registry.SETTLE_S]
+
+
 def test_champion_moves_only_when_beaten(store) -> None:
     first = _gate(store, _trained(store, 0.90), 0.90)
     assert (first.version, first.alias, first.champion_score) == (1, "champion", None)

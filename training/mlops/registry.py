@@ -157,7 +157,8 @@ def register_and_gate(
     the alias moves one registrant at a time, in version order, each against the
     champion the previous one left: the last holder beats every earlier one on the same
     test data, i.e. it is the best of them. A version that took `champion` waits
-    SETTLE_S and then until no later version is in flight, and reads the alias again:
+    SETTLE_S (unless no other version was registered within STALE_S: nobody is racing
+    it) and then until no later version is in flight, and reads the alias again:
     if another version holds it, it is gated again against that one (a better model
     takes it back, a worse one becomes challenger and says so). So only the version
     holding `champion` when this returns reports it, and its run alone sends "new
@@ -221,18 +222,21 @@ class _Gate:
     def _now_ms(self) -> float:
         return self._server_ms + (time.monotonic() - self._local) * 1000
 
-    def in_flight(self) -> list[int]:
-        """Other versions of the model without a gate tag yet, registered within STALE_S."""
-        recent = [
+    def recent_others(self) -> list[str]:
+        """Other versions of the model registered within STALE_S."""
+        return [
             found.version
             for found in self.client.search_model_versions(equals(name=self.model_name))
             if int(found.version) != self.version
             and self._now_ms() - found.creation_timestamp < STALE_S * 1000
         ]
+
+    def in_flight(self) -> list[int]:
+        """Other versions of the model without a gate tag yet, registered within STALE_S."""
         # Search results leave tags out: ask the few recent versions themselves.
         return sorted(
             int(number)
-            for number in recent
+            for number in self.recent_others()
             if GATE_TAG not in self.client.get_model_version(self.model_name, number).tags
         )
 
@@ -259,8 +263,12 @@ class _Gate:
         """After taking `champion` (`result`): let the registrations behind it gate, then
         report `champion` only if this version still holds it; otherwise gate against
         the holder (take it back from a worse one, and look again)."""
-        for _ in range(ROUNDS):
-            time.sleep(SETTLE_S)
+        for round_ in range(ROUNDS):
+            # With no other version registered lately, most likely nobody registers beside
+            # this one; one that gets its version after this look gates against this
+            # champion anyway (see register_and_gate). The usual lone run skips the wait.
+            if round_ or self.recent_others():
+                time.sleep(SETTLE_S)
             self.wait_for(lambda other: other > self.version)
             holder = self.client.get_model_version_by_alias(self.model_name, CHAMPION)
             if int(holder.version) == self.version:
