@@ -8,7 +8,8 @@ before the first run of a new home can begin. The result is the same file each t
 one Prefect version: its tables, the migration head, and the block types Prefect
 registers at start.
 
-So the first server this machine starts on a new home leaves a copy of that database,
+So the first server this machine starts on a new home leaves a copy of that database
+(training/database_template.py),
 taken the moment it answers and before anything runs on it, in gradline's cache
 (`~/.cache/gradline/`, or $XDG_CACHE_HOME/gradline, or $GRADLINE_CACHE_DIR), named by
 Prefect's version. A later server on another new home starts from a copy of it. Prefect
@@ -23,16 +24,15 @@ table, which a fresh database does not have).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
-import os
 import sqlite3
-import tempfile
 from pathlib import Path
 
 from flows.prefect_settings import prefect_home, prefect_setting_configured
+from training.database_template import CACHE_DIR_ENV, cache_dir, save_as_template, seed_from
 
-CACHE_DIR_ENV = "GRADLINE_CACHE_DIR"
+__all__ = ["CACHE_DIR_ENV", "default_database", "save_template", "seed_database"]
+
 DATABASE_URL_SETTINGS = (
     "PREFECT_API_DATABASE_CONNECTION_URL",
     "PREFECT_SERVER_DATABASE_CONNECTION_URL",
@@ -51,29 +51,11 @@ def template_path() -> Path:
     return cache_dir() / f"prefect-{importlib.metadata.version('prefect')}.db"
 
 
-def cache_dir() -> Path:
-    """gradline's per-user cache: GRADLINE_CACHE_DIR, else gradline/ in the user's cache."""
-    if configured := os.environ.get(CACHE_DIR_ENV):
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gradline"
-
-
 def seed_database(database: Path | None) -> bool:
     """Give `database`, when it does not exist yet, the template's content; whether it
     did. Never replaces a database: one that appeared meanwhile (another server on the
     same new home) is kept, since a server may already have it open."""
-    template = template_path()
-    if database is None or database.exists() or not template.is_file():
-        return False
-    database.parent.mkdir(parents=True, exist_ok=True)
-    staged = _staged_copy(template, database.parent)
-    try:
-        os.link(staged, database)  # fails, changing nothing, if the database exists now
-    except FileExistsError:
-        return False
-    finally:
-        staged.unlink()
-    return True
+    return database is not None and seed_from(template_path(), database)
 
 
 def seeded_or_to_create(database: Path | None) -> bool:
@@ -83,38 +65,10 @@ def seeded_or_to_create(database: Path | None) -> bool:
 
 
 def save_template(database: Path) -> None:
-    """Keep a copy of the just-created `database` as the template (whole or not at all);
-    a template that cannot be written only costs the next new home its migrations."""
-    template = template_path()
-    if template.is_file():
-        return
-    with contextlib.suppress(OSError, sqlite3.Error):
-        template.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, name = tempfile.mkstemp(dir=template.parent, suffix=".part")
-        os.close(descriptor)
-        staged = Path(name)
-        try:
-            # SQLite's backup: a consistent copy of a database a server has open.
-            with (
-                contextlib.closing(sqlite3.connect(database)) as source,
-                contextlib.closing(sqlite3.connect(staged)) as copy,
-            ):
-                source.backup(copy)
-                copy.execute("DELETE FROM configuration")  # the telemetry session
-                copy.commit()
-                copy.execute("VACUUM")  # without the pages the backup left free
-                if copy.execute("PRAGMA quick_check").fetchone() != ("ok",):
-                    return
-            os.replace(staged, template)
-        finally:
-            staged.unlink(missing_ok=True)
+    """Keep a copy of the just-created `database` as the template, without the server's
+    telemetry session."""
+    save_as_template(database, template_path(), _without_telemetry_session)
 
 
-def _staged_copy(template: Path, folder: Path) -> Path:
-    """A private copy of `template` in `folder` (the database's own file system, so that
-    it can become the database with a link)."""
-    descriptor, name = tempfile.mkstemp(dir=folder, prefix=".prefect-db-", suffix=".part")
-    with os.fdopen(descriptor, "wb") as out, template.open("rb") as source:
-        while chunk := source.read(1 << 20):
-            out.write(chunk)
-    return Path(name)
+def _without_telemetry_session(copy: sqlite3.Connection) -> None:
+    copy.execute("DELETE FROM configuration")

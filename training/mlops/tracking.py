@@ -26,6 +26,7 @@ from pathlib import Path
 
 from training.atomic import pid_alive, write_json
 from training.errors import TrackingError, TrackingUnavailable
+from training.mlops.store_template import new_sqlite_store, save_store_template, seed_store
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +135,22 @@ def fluent_store(tracking_uri: str):
         yield
 
 
+DEFAULT_EXPERIMENT_ID = "0"  # MLflow's `Default`, which every store has
+
+
 def client(tracking_uri: str):
     """A client of one store, registry included (never the process-wide registry URI,
-    which another store may have set)."""
+    which another store may have set). A new SQLite store starts as a copy of the
+    machine's template, or leaves one once MLflow has made it (mlops/store_template.py)."""
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    new_store = new_sqlite_store(tracking_uri)
+    made_here = new_store is not None and not seed_store(new_store)
+    mlflow_client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    if made_here:
+        mlflow_client.get_experiment(DEFAULT_EXPERIMENT_ID)  # MLflow makes the store now
+        save_store_template(new_store)
+    return mlflow_client
 
 
 def metric_history(
