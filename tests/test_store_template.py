@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from training.database_template import CACHE_DIR_ENV
-from training.mlops.store_template import new_sqlite_store, template_path
+from training.mlops.store_template import new_sqlite_store, save_store_template, template_path
 from training.mlops.tracking import client, ensure_experiment
 
 CREATING = "Creating initial MLflow database tables"
@@ -69,3 +69,16 @@ def test_an_existing_store_or_another_kind_is_left_to_mlflow(own_cache, tmp_path
     assert new_sqlite_store("http://127.0.0.1:5000") is None
     assert new_sqlite_store(f"file://{tmp_path / 'mlruns'}") is None
     assert new_sqlite_store(f"sqlite:///{tmp_path / 'new.db'}?timeout=5") == tmp_path / "new.db"
+
+
+def test_a_store_in_use_already_never_becomes_the_template(
+    own_cache, tmp_path, monkeypatch
+) -> None:
+    """A store that someone wrote a run into before it was kept (another process, at
+    once) is no template: its run would come with every copy."""
+    uri, project = _new_project(tmp_path, "busy", monkeypatch)
+    mlflow = client(uri)
+    template_path().unlink()  # as if another process had made this store
+    mlflow.create_run("0")
+    save_store_template(project / "mlflow" / "mlflow.db")
+    assert not template_path().exists()

@@ -46,7 +46,14 @@ def save_store_template(database: Path) -> None:
     save_as_template(database, template_path(), _without_experiments)
 
 
+# What only use adds to a store: one of these holding rows is no new store to copy.
+_USED_TABLES = ("runs", "registered_models", "model_versions")
+
+
 def _without_experiments(copy: sqlite3.Connection) -> None:
+    for table in _USED_TABLES:
+        if copy.execute(f"SELECT EXISTS (SELECT 1 FROM {table})").fetchone()[0]:
+            raise sqlite3.DatabaseError(f"the store is in use already ({table}): no template")
     # The Default experiment (its artifact location is the project's) and its tags.
     copy.execute("DELETE FROM experiment_tags")
     copy.execute("DELETE FROM experiments")
