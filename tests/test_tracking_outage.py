@@ -26,11 +26,28 @@ pytestmark = pytest.mark.timeout(240)
 
 class Server:
     def __init__(self, base: Path) -> None:
-        self.port, self.base = free_port(), base
-        self.uri = f"http://127.0.0.1:{self.port}"
+        self.base, self.started = base, False
+        self._use_port(free_port())
         self.proc: subprocess.Popen | None = None
 
+    def _use_port(self, port: int) -> None:
+        self.port, self.uri = port, f"http://127.0.0.1:{port}"
+
     def start(self) -> None:
+        """Start the server; its first start moves to another free port if another process
+        took this one meanwhile (the server takes seconds to bind: a window the suite's
+        other processes and their servers can fall into). A restart keeps its port."""
+        for _ in range(3):
+            if self._start_once():
+                self.started = True
+                return
+            log = (self.base / "server.log").read_text()
+            assert not self.started and "address already in use" in log, log[-3000:]
+            self._use_port(free_port())
+        raise AssertionError("mlflow server found no free port in 3 tries")
+
+    def _start_once(self) -> bool:
+        """Start the server on self.port; whether it answers (False: it exited)."""
         store = f"sqlite:///{self.base / 'mlflow.db'}"
         command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1"]
         command += ["--port", str(self.port), "--backend-store-uri", store, "--workers", "1"]
@@ -44,9 +61,11 @@ class Server:
         while True:
             try:
                 with urllib.request.urlopen(f"{self.uri}/health", timeout=2):
-                    return
+                    return True
             except OSError:
-                assert self.proc.poll() is None, (self.base / "server.log").read_text()[-3000:]
+                if self.proc.poll() is not None:
+                    self.proc = None
+                    return False
                 assert time.monotonic() < deadline, "mlflow server did not start"
                 time.sleep(0.5)
 
