@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import copy_project
-from flows.prefect_database import CACHE_DIR_ENV
+from training.database_template import CACHE_DIR_ENV
 from training.timings import TIMINGS_ENV
 
 STAGES = ("ingest", "shard", "train", "evaluate")

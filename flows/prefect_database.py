@@ -29,9 +29,7 @@ import sqlite3
 from pathlib import Path
 
 from flows.prefect_settings import prefect_home, prefect_setting_configured
-from training.database_template import CACHE_DIR_ENV, cache_dir, save_as_template, seed_from
-
-__all__ = ["CACHE_DIR_ENV", "default_database", "save_template", "seed_database"]
+from training.database_template import cache_dir, save_as_template, seed_from
 
 DATABASE_URL_SETTINGS = (
     "PREFECT_API_DATABASE_CONNECTION_URL",

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import copy_project  # the tests' fresh clones
-from flows.prefect_database import CACHE_DIR_ENV
 from flows.stage_host import STAGE_HOST_ENV
 from tests.scheduling import files_and_one_unit_of_waits, waits_on_timers
 from tests.servers import SharedPrefect, SharedStageHost
 from training.config import DataConfig, ShardConfig
 from training.data.ingest import ingest
 from training.data.shards import write_shards
+from training.database_template import CACHE_DIR_ENV
 from training.mlops.tracking import fluent_state_restored
 
 REPO = Path(__file__).resolve().parents[1]

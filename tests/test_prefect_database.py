@@ -14,7 +14,6 @@ import pytest
 
 from flows import prefect_database
 from flows.prefect_database import (
-    CACHE_DIR_ENV,
     default_database,
     save_template,
     seed_database,
@@ -22,6 +21,7 @@ from flows.prefect_database import (
 )
 from flows.temporary_server import TemporaryServer
 from tasks.prefect_api import TEMPORARY_SERVER_ENV
+from training.database_template import CACHE_DIR_ENV
 
 
 @pytest.fixture
