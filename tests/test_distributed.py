@@ -46,6 +46,8 @@ WORKLOADS = {
         "task": {"type": "language_modeling"},
         "model": {"name": "gpt", "layers": 2, "heads": 2, "width": 32, "context": 16},
         "train": {"epochs": 1, "max_steps": 30},
+        # One short sample per validation (the default draws 3 x 120 tokens).
+        "evaluate": {"prompts": ["def "], "max_new_tokens": 4},
     },
     # Forecasting windows (tests/conftest.py tiny_series_shards): a list label per row.
     "tcn": {
@@ -73,6 +75,7 @@ def _config(workload: str = "mlp", **sections) -> Config:
         "optim": OPTIM,
         "train": {**TRAIN, **spec.get("train", {})},
         "runtime": RUNTIME,
+        "evaluate": spec.get("evaluate", {}),
     }
     for section, values in sections.items():
         base[section] = {**base[section], **values}

@@ -27,6 +27,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 GPT_JOB = {
     "data": {"source": "stdlib"},
     "task": {"type": "language_modeling"},
+    # One short sample per validation: a sharded model samples in collective forwards, one
+    # per token, and the default (3 prompts x 120 tokens) would outweigh the training.
     "evaluate": {"prompts": ["def "], "max_new_tokens": 4},
     "model": {
         "name": "gpt",
@@ -67,7 +69,7 @@ def _config(world: int, parallel: dict, eval_batch: int = 512) -> Config:
             **GPT_JOB,
             "runtime": runtime,
             "parallel": parallel,
-            "evaluate": {"batch_size": eval_batch},
+            "evaluate": {**GPT_JOB["evaluate"], "batch_size": eval_batch},
         }
     )
 
