@@ -54,6 +54,8 @@ class Server:
         command += ["--default-artifact-root", (self.base / "artifacts").as_uri()]
         self.proc = subprocess.Popen(
             command,
+            # As `gradline ui` starts it: no job-runner processes (MLflow's GenAI jobs).
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
             stdout=subprocess.DEVNULL,
             stderr=(self.base / "server.log").open("a"),
         )
