@@ -7,10 +7,10 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 # Test processes (pytest-xdist): a file's tests stay in one, so module set-up runs once;
 # files start in the order tests/conftest.py gives them, not xdist's most-tests-first.
-# The files that mostly sleep on Prefect's timers are one unit of work (tests/scheduling.py),
-# started first in a process of their own while the other two keep both cores busy.
+# The tests that mostly sleep on timers form two units of work (tests/scheduling.py), each
+# started first in a process of its own while the other two keep both cores busy.
 # The fast tier has none of those: a process per core.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 FAST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q --dist loadfile --no-loadscope-reorder
 export DO_NOT_TRACK := 1

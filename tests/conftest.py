@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.common import copy_project  # the tests' fresh clones
 from flows.stage_host import STAGE_HOST_ENV
-from tests.scheduling import files_and_one_unit_of_waits, waits_on_timers
+from tests.scheduling import files_and_units_of_waits, unit_of_work, waits_unit
 from tests.servers import SharedPrefect, SharedStageHost
 from training.config import DataConfig, ShardConfig
 from training.data.ingest import ingest
@@ -49,32 +49,34 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which `make test` uses
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile`, with the tests that wait on timers in one process of their own."""
+    """`--dist loadfile`, with the tests that wait on timers in processes of their own."""
     if config.getvalue("dist") == "loadfile":
-        return files_and_one_unit_of_waits(config, log)
+        return files_and_units_of_waits(config, log)
     return None
 
 
-# The order test files start in (`make test` hands whole files to its test processes, in
-# collection order): the ones that mostly wait on timers first (in one process,
-# tests/scheduling.py), then the longest, so that the suite does not end waiting on one.
+# The order units of work start in (`make test` hands whole files, or units of tests that
+# wait on timers, to its test processes in collection order): the waits units first (a
+# process each, tests/scheduling.py), then the longest, so that the suite does not end
+# waiting on one.
 _START_ORDER = ("waits", "e2e", "multiprocess")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if waits_on_timers(str(item.path)):
+        if waits_unit(item.nodeid):
             item.add_marker(pytest.mark.waits)
 
     def rank(item: pytest.Item) -> int:
         marks = {mark.name for mark in item.iter_markers()}
         return next((i for i, name in enumerate(_START_ORDER) if name in marks), len(_START_ORDER))
 
-    first_rank: dict[Path, int] = {}
+    first_rank: dict[str, int] = {}
     for item in items:
-        first_rank[item.path] = min(first_rank.get(item.path, len(_START_ORDER)), rank(item))
-    # Stable: a file's tests keep their order, and files of one rank theirs.
-    items.sort(key=lambda item: first_rank[item.path])
+        unit = unit_of_work(item.nodeid)
+        first_rank[unit] = min(first_rank.get(unit, len(_START_ORDER)), rank(item))
+    # Stable: a unit's tests keep their order, and units of one rank theirs.
+    items.sort(key=lambda item: first_rank[unit_of_work(item.nodeid)])
 
 
 @pytest.fixture(scope="session", autouse=True)

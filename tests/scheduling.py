@@ -1,32 +1,52 @@
 """How `make test` shares the suite out among its test processes (pytest-xdist).
 
 A file's tests stay in one process, so its module set-up runs once (xdist's loadfile).
-The files whose tests mostly sleep on Prefect's timers (30 s heartbeats, 60 s leases, a
-server kept down through an outage) are one unit of work instead: one process works
-through them alone while the others keep the cores busy with tests that compute. Spread
-over every process, their sleeps would leave cores idle for minutes at a time.
+The tests that mostly sleep on timers (Prefect's 30 s heartbeats and 60 s leases, a
+server kept down through an outage, a rendezvous waiting out its last call for a lost
+node) are gathered into a few units of work instead. Each unit takes a test process of
+its own from the start while the other processes keep the cores busy with tests that
+compute; spread over every process, the sleeps would leave cores idle for minutes at a
+time, and in one unit they would outlast the rest of the suite.
 """
 
 from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-WAITS_FILES = frozenset({"test_prefect_outage.py", "test_slot_lease.py", "test_watchdog.py"})
-WAITS_UNIT = "tests that wait on Prefect's timers"
+# Unit of work -> what belongs to it: whole test files, or single tests as
+# "file::test" (the test's parameters, if any, left out). About 7 minutes of sleep each.
+WAITS_UNITS = {
+    "tests that wait out Prefect outages": ("test_prefect_outage.py",),
+    "tests that wait for leases, heartbeats and lost nodes": (
+        "test_watchdog.py",
+        "test_slot_lease.py",
+        "test_multinode.py::test_losing_a_node_the_job_goes_on_with_the_other",
+    ),
+}
 
 
-def waits_on_timers(path: str) -> bool:
-    """Whether the test file at `path` (a node id's file part will do) is a waits file."""
-    return PurePosixPath(path).name in WAITS_FILES
+def waits_unit(nodeid: str) -> str | None:
+    """The waits unit a test (a node id, or a file's path) belongs to; None for the rest."""
+    file, _, name = nodeid.partition("::")
+    file = PurePosixPath(file).name
+    test = f"{file}::{name.split('[')[0]}"
+    for unit, members in WAITS_UNITS.items():
+        if file in members or test in members:
+            return unit
+    return None
 
 
-def files_and_one_unit_of_waits(config, log):
-    """xdist's loadfile scheduling, with the waits files as one unit of work."""
+def unit_of_work(nodeid: str) -> str:
+    """Which unit of work a test belongs to: its waits unit, else its file."""
+    return waits_unit(nodeid) or nodeid.partition("::")[0]
+
+
+def files_and_units_of_waits(config, log):
+    """xdist's loadfile scheduling, with each waits unit as one unit of work."""
     from xdist.scheduler import LoadFileScheduling
 
     class FilesAndWaits(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file = super()._split_scope(nodeid)
-            return WAITS_UNIT if waits_on_timers(file) else file
+            return unit_of_work(nodeid)
 
     return FilesAndWaits(config, log)
