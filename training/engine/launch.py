@@ -37,7 +37,6 @@ from training.engine.faults import ENV as FAULT_ENV
 from training.engine.health import describe, latest_failures
 from training.engine.job import TrainJob
 from training.engine.jobdir import JobDir
-from training.engine.rendezvous_events import use_frame_names
 from training.engine.signing import job_secret
 from training.engine.worker import worker_main
 from training.engine.worker_start import LaunchContext, start_method
@@ -215,7 +214,6 @@ def launch_workers(
     # for it until its timeout; a fresh store also keeps a restarted rank from reading
     # a dead peer's address left by the previous attempt.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    use_frame_names()  # the rendezvous' event names, without a source-reading stack walk
     JobDir(Path(job.job_dir)).path.mkdir(parents=True, exist_ok=True)
     control = control or open_control(runtime)
     faults = job.faults if job.faults is not None else os.environ.get(FAULT_ENV, "")
