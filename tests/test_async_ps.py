@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from training.engine.async_ps import AsyncUpdates, ParameterServerError, Segment, flat_params
+from training.engine.worker_start import start_method
 
 ROWS = 11  # rows of one global batch
 
@@ -108,7 +109,8 @@ def _rank_entry(rank: int, world: int, directory: str, fn, args: tuple) -> None:
 def _in_ranks(tmp_path: Path, world: int, fn, *args, deadline_s: float = 90, wait_for=None):
     """Run fn(rank, world, *args) in `world` gloo processes; their return values. Waits
     for the ranks in `wait_for` (all by default) and kills whatever is left."""
-    context = multiprocessing.get_context("spawn")
+    # The engine's forkserver (torch imported once), not an interpreter per rank.
+    context = multiprocessing.get_context(start_method())
     processes = [
         context.Process(target=_rank_entry, args=(rank, world, str(tmp_path), fn, args))
         for rank in range(world)

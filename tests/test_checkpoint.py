@@ -25,6 +25,7 @@ from training.engine.checkpoint import (
     signed_manifest,
     verify,
 )
+from training.engine.worker_start import start_method
 
 # Saves without a process group are single-process saves; DCP says so each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -219,11 +220,12 @@ def test_every_rank_writes_its_part_before_the_checkpoint_completes(tmp_path) ->
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    context = mp.spawn(
+    context = mp.start_processes(
         _rank_saves_its_part,
         args=(str(tmp_path / "ckpt"), str(tmp_path / "store")),
         nprocs=2,
         join=False,
+        start_method=start_method(),  # the engine's forkserver: torch imported once
     )
     deadline = time.monotonic() + 45
     try:

@@ -26,6 +26,7 @@ from training.engine.embedding_sharding import (
     state_mb,
 )
 from training.engine.topology import end_process_groups
+from training.engine.worker_start import start_method
 from training.errors import ConfigError
 from training.models.embedding_tables import EmbeddingTables
 
@@ -219,7 +220,9 @@ def _spawn(fn, world: int, *args, timeout: float = 200.0) -> None:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     store = Path(args[-1]) / f"store-{fn.__name__}-{world}-{time.monotonic_ns()}"
-    context = mp.spawn(fn, args=(world, *args, str(store)), nprocs=world, join=False)
+    # From the engine's forkserver (torch imported once), not an interpreter per rank.
+    args = (world, *args, str(store))
+    context = mp.start_processes(fn, args, nprocs=world, join=False, start_method=start_method())
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=max(deadline - time.monotonic(), 0)):
