@@ -215,7 +215,7 @@ def _rank_loads(rank: int, world: int, mode: str, out: str, store: str) -> None:
     end_process_groups()
 
 
-def _spawn(fn, world: int, *args, timeout: float = 200.0) -> None:
+def _run_ranks(fn, world: int, *args, timeout: float = 200.0) -> None:
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -248,7 +248,7 @@ def trained(tmp_path_factory):
         key = (mode, world)
         if key not in _trained:
             out = tmp_path_factory.mktemp(f"{mode}{world}")
-            _spawn(_rank_trains, world, mode, str(out))
+            _run_ranks(_rank_trains, world, mode, str(out))
             _trained[key] = (
                 [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)],
                 out,
@@ -313,7 +313,7 @@ def test_a_checkpoint_of_2_ranks_loads_on_1_and_4(mode, world, trained, referenc
     exactly the rows it holds, with their optimizer state."""
     ranks, out = trained("row", 2)
     whole, moments = _whole_tables(ranks), _whole_tables(ranks, "exp_avg")
-    _spawn(_rank_loads, world, mode, str(out))
+    _run_ranks(_rank_loads, world, mode, str(out))
     seen = [0] * len(ROWS)
     for r in range(world):
         loaded = torch.load(out / f"loaded-{mode}-{world}-rank{r}.pt", weights_only=True)
