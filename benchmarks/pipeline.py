@@ -14,7 +14,11 @@ The split of that run:
 - startup_s: from the command to the flow's first line (imports, the Prefect server);
 - per stage: wall_s as the flow sees it (its `dvc repro`), the stage's own work, and
   overhead_s, everything else (DVC, the stage process's start-up and imports). A stage's
-  own work is its function's time, except train's, which is the training loop;
+  own work is its function's time, except train's, which is the training loop's steps
+  (train_loop_s); train's overhead is split into train.before_loop_s (DVC, the stage's
+  start, the MLflow run, the workers' start), train.in_loop_not_steps_s (validation,
+  checkpoints and logging at the loop's barriers) and train.after_loop_s (the workers'
+  end, the model's MLflow logging, DVC);
 - flow_rest_s: the flow's tasks between the stages (params, drift, push, register) and
   the way out; split into flow.<step>_s (a step's wall less the stage it ran, if any)
   and flow.exit_s (from the flow's last step to the command's exit);
@@ -88,6 +92,7 @@ def split_run(records: list[dict], started: float, wall: float, loop_s: float) -
         out[f"{stage}.work_s"] = work
         out[f"{stage}.overhead_s"] = stage_wall - own
         stage_walls += stage_wall
+    out.update(_train_overhead(records, loop_s))
     out["flow_rest_s"] = wall - out["startup_s"] - stage_walls
     # flow_rest_s by the flow's steps (training/timings.StepClock), less the stage walls
     # within them, and the way out: from the flow's last step to the command's exit.
@@ -99,6 +104,22 @@ def split_run(records: list[dict], started: float, wall: float, loop_s: float) -
         out[key] = out.get(key, 0.0) + record["seconds"] - own
     out["flow.exit_s"] = wall - out["startup_s"] - sum(r["seconds"] for r in steps)
     return out
+
+
+def _train_overhead(records: list[dict], loop_s: float) -> dict[str, float]:
+    """train.overhead_s in three parts: before the loop (DVC, the stage's start, the MLflow
+    run, starting the workers), in the loop but not its steps (validation, checkpoints,
+    logging at barriers) and after it (the workers' end, the model's MLflow logging, DVC)."""
+    (stage,) = [r for r in records if r["what"] == "stage_wall" and r["stage"] == "train"]
+    loops = [r for r in records if r["what"] == "train_loop"]
+    if not loops:
+        return {}
+    loop = loops[-1]  # rank 0's loop of the job's last attempt
+    return {
+        "train.before_loop_s": loop["at"] - loop["seconds"] - (stage["at"] - stage["seconds"]),
+        "train.in_loop_not_steps_s": loop["seconds"] - loop_s,
+        "train.after_loop_s": stage["at"] - loop["at"],
+    }
 
 
 def one_repeat(base: Path) -> dict[str, float]:

@@ -29,7 +29,7 @@ from training.errors import (
     OrchestratorUnreachable,
     as_user_error,
 )
-from training.host_client import STAGE_HOST_ENV, run_in_host
+from training.host_client import stage_in_host
 from training.lock import project_lock
 
 if TYPE_CHECKING:
@@ -653,15 +653,6 @@ def launch_overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
-def _stage_in_host(argv: list[str] | None) -> int | None:
-    """A stage under a flow runs in the flow's stage host (flows/stage_host.py): its exit
-    code; None where there is no host, and the stage runs here."""
-    args = sys.argv[1:] if argv is None else argv
-    if args[:1] != ["stage"] or not os.environ.get(STAGE_HOST_ENV):
-        return None
-    return run_in_host(list(args))
-
-
 # Commands whose work runs under a supervisor, so that a signal reaches their whole tree.
 # `serve` too: Prefect starts each served run in serve's own process group, where a
 # terminal's Ctrl-C would reach every process of the run at once.
@@ -678,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command(argv: list[str] | None) -> int:
-    if (code := _stage_in_host(argv)) is not None:
+    if (code := stage_in_host(argv)) is not None:
         return code
     apply_offline_defaults()
     args = build_parser().parse_args(argv)

@@ -102,6 +102,7 @@ PRELOAD = (
     "training.evaluation",
     "training.models.folder",
     "training.plots",
+    "flows.cli",  # what the stages run through (the entry point, flows/command.py, is light)
 )
 COMMANDS = ("stage", "dvc")  # `gradline stage ...` and `dvc ...`: all the host runs
 
@@ -432,12 +433,22 @@ def _warm_mlflow_package_map() -> None:
         _init_packages_to_modules_map()
 
 
+def _remove_socket(listener: socket.socket) -> None:
+    """The socket and its private folder, which the owner removes as it ends: when it
+    was killed (SIGKILL), the host is the one left to do it."""
+    path = listener.getsockname()
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+        os.rmdir(os.path.dirname(path))
+
+
 def main() -> None:
     listener_fd, owner = int(sys.argv[1]), int(sys.argv[2])
     listener = socket.socket(fileno=listener_fd)
     for module in DVC_PRELOAD:  # ~0.3 s: the flow's first `dvc` command may be waiting
         _import_keeping_logging(module)
     _Host(listener, owner, preload_steps(PRELOAD)).serve()
+    _remove_socket(listener)
     os._exit(0)  # nothing to flush or close: skip tearing down torch and MLflow (~1 s)
 
 

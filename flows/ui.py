@@ -191,7 +191,7 @@ def stop_servers(procs: list[subprocess.Popen]) -> None:
         with contextlib.suppress(psutil.Error):
             leftover.kill()
     for proc in procs:
-        _wait_for_group(proc.pid)
+        _wait_for_group(proc)
         proc.wait()
 
 
@@ -332,15 +332,18 @@ def _ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _wait_for_group(pgid: int, timeout: float = 10.0) -> None:
-    """Return once every process of the group is gone (server workers outlive their
-    parent by a moment, holding the port); kill what is left after `timeout`."""
+def _wait_for_group(leader: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Return once every process of the leader's group is gone (server workers outlive
+    their parent by a moment, holding the port); kill what is left after `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        # Reap the leader as soon as it ends: until then it is a zombie, still in its
+        # group, and the group would look alive for the whole timeout.
+        leader.poll()
         try:
-            os.killpg(pgid, 0)
+            os.killpg(leader.pid, 0)
         except ProcessLookupError:
             return
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(leader.pid, signal.SIGKILL)

@@ -322,7 +322,8 @@ def test_a_dead_or_silent_worker_is_named_on_rank_0(tmp_path, how) -> None:
     assert "worker 1 (rank 1)" in result["message"]
     if how == "stalls":
         assert "computing n=2" in result["message"]
-    assert result["elapsed"] < 10
+    # Named by the 4 s timeout, not once the 30 s stall ends (with room for a loaded host).
+    assert result["elapsed"] < 25
 
 
 @pytest.mark.multiprocess
@@ -332,7 +333,7 @@ def test_a_server_failure_reaches_the_other_workers(tmp_path) -> None:
     on_rank_0, on_rank_1 = _in_ranks(tmp_path, 2, _peer_fails, "disagrees")
     assert "worker 1 runs a segment to version 9, rank 0 to 10" in on_rank_0["message"]
     assert "the parameter server on rank 0 failed" in on_rank_1["message"]
-    assert on_rank_1["elapsed"] < 10
+    assert on_rank_1["elapsed"] < 30  # told, not left to wait (room for a loaded host)
 
 
 def test_one_worker_in_one_process_without_torch_distributed() -> None:

@@ -32,6 +32,7 @@ from training.errors import USER_ERROR_EXIT_CODE, RemotePushFailed, is_retryable
 from training.mlops.remote import classify, failed_files, push_failed
 
 from .conftest import copy_project
+from .servers import SharedPrefect
 from .test_lasting_failures import _namespace
 from .test_orchestration import _processes_marked
 
@@ -122,9 +123,21 @@ class _Remote:
                     self.connection.shutdown(socket.SHUT_RDWR)  # mid-upload, as a reset
                     self.close_connection = True
                     return
+                # Read the upload before refusing it, as a real server does: answering
+                # first and closing races the client's write (a broken pipe, not a 403).
+                self.drain_body()
                 self.send_response(403 if mode == "forbid" else 404)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+
+            def drain_body(self) -> None:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                        self.rfile.read(size + 2)  # the chunk and its CRLF
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass  # trailers, up to the blank line
+                    return
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
             do_GET = do_HEAD = do_POST = do_PUT = answer
 
@@ -201,7 +214,13 @@ def test_a_full_or_read_only_remote_is_the_users_to_fix(dvc_repo, tmp_path):
 
 
 def _gradline_run(root: Path, mark: str) -> subprocess.CompletedProcess:
-    env = _env(PREFECT_HOME=str(root / ".prefect-home"), GRADLINE_TEST_MARK=mark)
+    """A run against the test run's shared Prefect server (its temporary one is not what
+    these tests are about), followed by its mark: its stage host is its own."""
+    env = _env(
+        PREFECT_HOME=str(root / ".prefect-home"),
+        PREFECT_API_URL=SharedPrefect.api(),
+        GRADLINE_TEST_MARK=mark,
+    )
     return subprocess.run(
         [str(BIN / "gradline"), "run", *SMALL],
         cwd=root,

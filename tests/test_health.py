@@ -36,3 +36,31 @@ def test_stop_requests_and_the_run_claim_are_per_job_and_shared() -> None:
     assert [first.claim("run/owner"), second.claim("run/owner")] == [True, False]
     second.request_stop()
     assert first.stop_requested() and not other_job.stop_requested()
+
+
+def test_a_checkpoint_failure_is_recorded_by_its_rank_s_own_error() -> None:
+    """DCP's CheckpointException names only the failed ranks: the record names the lowest
+    failed rank's error, and a full disk under it stops the retries like any full disk."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    def wrapped(exc: BaseException):
+        try:
+            raise exc
+        except BaseException as raised:  # wrapped with its traceback, as DCP does
+            return _wrap_exception(raised)
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    launcher = Control.open(endpoint, "job-d", timeout_s=10, secret=SECRET)
+    timeout = RuntimeError("gloo: timed out waiting 300000ms for recv")
+    full = OSError(errno.ENOSPC, "No space left on device", "/ckpt/step-00000016")
+    record_failure(launcher, 0, 0, CheckpointException("save", {3: wrapped(timeout)}))
+    record_failure(launcher, 1, 0, CheckpointException("save", {2: wrapped(full)}))
+    first, second = latest_failures(launcher.failures())
+    assert first["error"] == (
+        "RuntimeError (in a checkpoint, on rank 3): gloo: timed out waiting 300000ms for recv"
+    )
+    assert first["retryable"]
+    assert second["error"].startswith("DiskFull (in a checkpoint, on rank 2): no space left")
+    assert not second["retryable"]

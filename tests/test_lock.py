@@ -89,11 +89,12 @@ def test_no_wait_exits_2_at_once_naming_the_holder_and_changes_nothing(project) 
     holder = _hold(project)
     try:
         before = (project / "params.yaml").read_text()
-        started = time.monotonic()
         proc = _gradline(project, "run", "--no-wait", "--set", "train.seed=1", env=_env())
-        _, err = proc.communicate(timeout=60)
+        # The holder keeps the lock for ten minutes: a run that waited for it would outlast
+        # the timeout (which only bounds a loaded machine's start-up), so ending at all,
+        # with the holder named, is the proof that it did not wait.
+        _, err = proc.communicate(timeout=300)
         assert proc.returncode == 2, err
-        assert time.monotonic() - started < 30
         assert f"in use by pid {holder.pid}" in err and "-c" in err and "since" in err
         assert (project / "params.yaml").read_text() == before  # the --set was not written
     finally:

@@ -39,7 +39,7 @@ from .resume_checks import (
 )
 from .test_deploy_recipes import FAKE_SCONTROL, FAKE_SRUN, SBATCH
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(450)]
 
 GRADLINE = str(Path(sys.executable).parent / "gradline")
 PARAMS = {
@@ -223,7 +223,7 @@ def _check_two_node_job(cluster: Cluster, folders: list[Path], expected) -> None
     assert {"system_cpu_percent/node0", "system_cpu_percent/node1"} <= metrics.keys()
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(720)
 def test_losing_a_node_the_job_goes_on_with_the_other(tiny_shards, tmp_path) -> None:
     """nnodes 1:2: SIGKILL to the second node's agent (its workers die with it); the first
     node's agent restarts alone from the latest checkpoint and finishes the job, with the

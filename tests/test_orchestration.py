@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 import yaml
 
+from flows.stage_host import STAGE_HOST_ENV
+
 from .conftest import REPO, WebhookReceiver, copy_project
 from .resume_checks import Resumed, assert_resume_tags, assert_resumed, job_of_run, stopped_steps
-from .servers import PrefectServer
+from .servers import PrefectServer, SharedStageHost
 from .servers import stop_group as _stop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -56,6 +58,10 @@ def _client(api: str):
 
 
 def _env(root: Path, api: str, **extra: str) -> dict[str, str]:
+    """A user's environment against `api`. The stages fork from the test process's shared
+    stage host (tests/servers.py), as those of conftest's runs do, unless the test follows
+    every process the run starts by its GRADLINE_TEST_MARK (`_processes_marked`): such a
+    run starts its own host, whose forks are the run's alone."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
     env["PATH"] = str(BIN) + os.pathsep + env["PATH"]
     env.update(
@@ -64,6 +70,8 @@ def _env(root: Path, api: str, **extra: str) -> dict[str, str]:
         PREFECT_RUNNER_POLL_FREQUENCY="1",
         GRADLINE_PROGRESS="plain",
     )
+    if "GRADLINE_TEST_MARK" not in extra:
+        env[STAGE_HOST_ENV] = SharedStageHost.socket()
     env.update(extra)
     return env
 

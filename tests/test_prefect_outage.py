@@ -20,7 +20,7 @@ from tests.test_orchestration import BIN, _env, _processes_marked, _project
 
 from .resume_checks import Resumed, assert_resumed, job_of_run, resumes_of
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 SLOW = "slow:rank=0:step=0:seconds=0.3"  # training outlasts the outage, or the cancel
 
 

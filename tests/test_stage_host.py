@@ -207,13 +207,28 @@ def test_the_host_ends_with_the_process_that_started_it(tmp_path) -> None:
         "import os, sys, time\n"
         "from flows.stage_host import stage_host\n"
         "with stage_host() as host:\n"
-        "    print(host.pid, flush=True)\n"
+        "    print(host.pid, os.environ['GRADLINE_STAGE_HOST'], flush=True)\n"
         "    time.sleep(600)\n"
     )
     owner = subprocess.Popen(
         [sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True, env=_env()
     )
-    host = psutil.Process(int(owner.stdout.readline()))
-    owner.kill()
+    pid, socket_path = owner.stdout.readline().split()
+    host = psutil.Process(int(pid))
+    owner.kill()  # no chance to remove the socket's folder itself
     owner.wait()
     host.wait(timeout=30)  # raises if the host outlived its owner
+    assert not Path(socket_path).parent.exists()  # the host removed it
+
+
+def test_the_installed_command_hands_a_stage_over_before_importing_the_cli() -> None:
+    """`gradline` is flows/command.py, which reaches the host with the standard library
+    and host_client alone; the CLI (argparse, tracking, servers) loads only for the rest."""
+    from importlib.metadata import entry_points
+
+    (entry,) = entry_points(group="console_scripts", name="gradline")
+    assert entry.value == "flows.command:main"
+    probe = "import sys, flows.command; print(sorted(m for m in sys.modules if m.startswith(("
+    probe += "'flows.cli', 'training.mlops', 'training.config', 'argparse', 'torch'))))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

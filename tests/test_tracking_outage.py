@@ -21,7 +21,7 @@ import pytest
 from training.engine.launch import free_port
 from training.mlops.tracking import MlflowTracker, client
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(480)
 
 
 class Server:
@@ -102,7 +102,7 @@ def test_records_written_while_the_server_is_down_ship_once_it_is_back(server, t
     assert time.perf_counter() - started < 1.0  # the loop never waits for the server
     time.sleep(4)  # the helper meets the outage and waits it out
     server.start()
-    tracker.close(timeout_s=120)
+    tracker.close(timeout_s=300)
     history = client(server.uri).get_metric_history(run_id, "train_loss")
     steps = sorted(m.step for m in history)
     assert steps == list(range(1, 31))  # every value, once: no gap, no duplicate
@@ -134,6 +134,48 @@ def test_a_helper_ends_when_a_left_over_helper_already_shipped_its_writers_end(t
     helper.start()
     helper.join(timeout=20)
     assert not helper.is_alive(), "the helper waits for an end that was already shipped"
+
+
+def test_a_helper_killed_while_idle_fails_the_close_without_hanging_it(tmp_path):
+    """The OOM killer (or anyone) kills the helper while it idles between polls: the job's
+    end must say so, not hang. (Waking the helper through a multiprocessing Event hung
+    here for good: its set() waits for a waiter that a kill left counted as asleep.) The
+    records it never shipped stay in the journal, every one, for `gradline sync`."""
+    import signal
+    import threading
+
+    from training.errors import TrackingError
+    from training.mlops.tracking import pending_records
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow_client = client(uri)
+    run_id = mlflow_client.create_run(mlflow_client.create_experiment("killed")).info.run_id
+    tracker = MlflowTracker(uri, run_id, tmp_path / "job" / "tracking.jsonl")
+    tracker.log_metrics({"train_loss": 1.0}, 1)
+    deadline = time.monotonic() + 120
+    while not mlflow_client.get_metric_history(run_id, "train_loss"):
+        assert time.monotonic() < deadline, "the helper never shipped the first record"
+        time.sleep(0.2)
+    time.sleep(1.0)  # the helper is idle now, between polls of the journal
+    os.kill(tracker._process.pid, signal.SIGKILL)
+    tracker._process.join(30)
+    for step in range(2, 6):
+        tracker.log_metrics({"train_loss": 1.0 / step}, step)
+    outcome: list[BaseException | None] = []
+
+    def close() -> None:
+        try:
+            tracker.close(timeout_s=60)
+            outcome.append(None)
+        except TrackingError as exc:
+            outcome.append(exc)
+
+    closing = threading.Thread(target=close, daemon=True)
+    closing.start()
+    closing.join(timeout=90)
+    assert not closing.is_alive(), "close() hangs on a killed helper"
+    assert isinstance(outcome[0], TrackingError) and "exit code -9" in str(outcome[0])
+    assert pending_records(tmp_path / "job" / "tracking.jsonl") == 5  # 4 values and the end
 
 
 def test_a_copy_of_a_job_resumed_into_a_new_run_ships_it_the_whole_journal(tmp_path):

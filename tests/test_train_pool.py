@@ -20,7 +20,7 @@ from training.mlops.registry import GATE_TAG
 from .conftest import copy_project
 from .test_orchestration import _env, _filter, _stop, server  # noqa: F401 (fixture)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(450)]
 
 BIN = Path(sys.executable).parent
 POOL = "test-gpu"

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flows.ui import UiOptions, auth_environment, prefect_server, serve_uis
+from flows.ui import UiOptions, _wait_for_group, auth_environment, prefect_server, serve_uis
 from training.errors import TrackingError
 
 from .conftest import _client, _gradline, copy_project, http_status
@@ -89,7 +89,11 @@ def _gradline_ui(
             env=clean,
             stdout=out,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # SIGINT at its default, as in a terminal
+            start_new_session=True,  # a terminal's own process group
+            # SIGINT at its default, as in a terminal: a new session keeps an inherited
+            # ignore, which Python then keeps too (two suite runs here saw Ctrl-C do
+            # nothing: something earlier in the test process had left SIGINT ignored).
+            preexec_fn=_sigint_as_in_a_terminal,
         )
     ui = RunningUi(proc, mlflow_port, prefect_port, log, [])
     try:
@@ -98,6 +102,10 @@ def _gradline_ui(
         yield ui
     finally:
         _stop_for_good(ui)
+
+
+def _sigint_as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_until_up(ui: RunningUi) -> None:
@@ -146,7 +154,13 @@ def _stop_and_check(ui: RunningUi, sig: signal.Signals, *, group: bool = False) 
     no server process is left and both ports are free."""
     assert ui.family, "no server processes were seen"
     (os.killpg if group else os.kill)(ui.proc.pid, sig)
-    assert ui.proc.wait(timeout=60) == 0, ui.output()
+    # A hang guard: the servers get 15 s, then SIGKILL (flows/ui.stop_servers).
+    try:
+        code = ui.proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        states = [f"{p.pid} {p.status()} {p.cmdline()[:3]}" for p in ui.family if _alive(p)]
+        pytest.fail(f"not stopped 120 s after {sig.name}; left: {states}\n{ui.output()}")
+    assert code == 0, ui.output()
     left = [p for p in ui.family if _alive(p)]
     assert not left, f"still running after {sig.name}: {[p.cmdline() for p in left]}"
     deadline = time.monotonic() + 15
@@ -191,6 +205,19 @@ def test_ui_auth_refuses_strangers_and_sigterm_stops_all(tmp_path: Path) -> None
     assert password not in ui.output() and team_credential[1] not in ui.output()
     assert password not in (tmp_path / "gradline" / "mlflow" / "basic_auth.ini").read_text()
     assert f"MLFLOW_TRACKING_URI=http://127.0.0.1:{ui.mlflow_port}" in ui.output()
+
+
+@pytest.mark.timeout(30)
+def test_a_server_that_ended_is_not_waited_for() -> None:
+    """An ended server is a zombie, still in its process group, until it is reaped: the
+    wait for its group reaps it instead of waiting out its timeout."""
+    server = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    while psutil.Process(server.pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.05)
+    started = time.monotonic()
+    _wait_for_group(server, timeout=10)
+    assert time.monotonic() - started < 5  # the timeout was 10 s
+    assert server.returncode == 0
 
 
 @pytest.mark.timeout(60)

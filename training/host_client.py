@@ -95,6 +95,15 @@ def _current_umask() -> int:
 # --- a stage command standing in for its fork ---------------------------------------------
 
 
+def stage_in_host(argv: list[str] | None) -> int | None:
+    """`gradline argv` (this process's own arguments when None), when it is a stage and a
+    host is named, run there: its exit code; None otherwise (the stage runs here)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] != ["stage"] or not os.environ.get(STAGE_HOST_ENV):
+        return None
+    return run_in_host(list(args))
+
+
 def run_in_host(argv: list[str]) -> int | None:
     """Run `gradline argv` (a stage) in the host `GRADLINE_STAGE_HOST` names; its exit
     code, or None when no host answers (the caller runs the stage itself)."""

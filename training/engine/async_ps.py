@@ -625,9 +625,13 @@ class AsyncUpdates:
                     served = reply.segment
         except BaseException as exc:
             if not server.closing:
+                # Whichever notices first (this receive's timeout or the server's own
+                # wait), the message says where every worker was.
+                with server.cond:
+                    where = server.describe()
                 server.fail(
                     f"worker {worker} (rank {worker}) failed, went silent for "
-                    f"{self.timeout_s:g} s, or its connection broke: {exc!r}",
+                    f"{self.timeout_s:g} s, or its connection broke: {exc!r}; {where}",
                     exc,
                 )
 

@@ -93,13 +93,14 @@ def describe(beats: list[dict], now: float | None = None) -> str:
 def record_failure(control: Control, rank: int, attempt: int, exc: BaseException) -> None:
     if beat := _live.get(rank):
         beat.close()  # its last step and phase, not the last once-a-second sample
+    cause, where = _checkpoint_cause(exc)
     payload = {
         "rank": rank,
         "time": time.time(),
         "attempt": attempt,
-        "error": _describe(exc),
+        "error": _describe(cause, where),
         # A full disk or bad input fails every attempt alike: the launcher stops there.
-        "retryable": is_retryable(exc),
+        "retryable": is_retryable(cause),
     }
     try:
         control.put_failure(payload)
@@ -107,9 +108,24 @@ def record_failure(control: Control, rank: int, attempt: int, exc: BaseException
         log.warning("rank %d: failure record not published (%s)", rank, store_error)
 
 
-def _describe(exc: BaseException) -> str:
-    error = as_user_error(exc) or exc
-    return f"{type(error).__name__}: {error}".strip().splitlines()[0][:500]
+def _describe(cause: BaseException, where: str) -> str:
+    error = as_user_error(cause) or cause
+    return f"{type(error).__name__}{where}: {error}".strip().splitlines()[0][:500]
+
+
+def _checkpoint_cause(exc: BaseException) -> tuple[BaseException, str]:
+    """The error under a distributed checkpoint's CheckpointException, whose own message
+    names only the failed ranks: the lowest failed rank's error (a full disk, a timeout)
+    is what the user reads and what decides a retry. Any other error is its own cause."""
+    failures = getattr(exc, "failures", None)  # {rank: (exception, traceback)}
+    if not isinstance(failures, dict) or not failures:
+        return exc, ""
+    rank = min(failures)
+    wrapped = failures[rank]
+    cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    if not isinstance(cause, BaseException):
+        return exc, ""
+    return cause, f" (in a checkpoint, on rank {rank})"
 
 
 def latest_failures(records: list[dict]) -> list[dict]:

@@ -21,12 +21,14 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -37,6 +39,7 @@ from training.engine.faults import ENV as FAULT_ENV
 from training.engine.health import describe, latest_failures
 from training.engine.job import TrainJob
 from training.engine.jobdir import JobDir
+from training.engine.rendezvous_events import use_frame_names
 from training.engine.signing import job_secret
 from training.engine.worker import worker_main
 from training.engine.worker_start import LaunchContext, start_method
@@ -170,7 +173,9 @@ def _report_refused_records(control: Control, ranks: int) -> None:
         )
 
 
-def _launch_config(runtime: RuntimeConfig, control: Control, max_restarts: int) -> LaunchConfig:
+def _launch_config(
+    runtime: RuntimeConfig, control: Control, max_restarts: int, agent_dir: str
+) -> LaunchConfig:
     min_nodes, max_nodes = runtime.node_range
     # The workers' store (MASTER_ADDR) is served at the node's local_addr: the host name
     # unless given; a loopback job keeps it on loopback.
@@ -195,6 +200,9 @@ def _launch_config(runtime: RuntimeConfig, control: Control, max_restarts: int) 
         # SIGTERM is ours (a graceful stop request), not the agent's (kill the workers).
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
         local_addr=local_addr,
+        # The agent's folder (each worker's error file, by attempt): torch's default is a
+        # new /tmp/torchelastic_* per launch that nothing removes.
+        logs_specs=DefaultLogsSpecs(log_dir=agent_dir),
     )
 
 
@@ -214,6 +222,7 @@ def launch_workers(
     # for it until its timeout; a fresh store also keeps a restarted rank from reading
     # a dead peer's address left by the previous attempt.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    use_frame_names()  # the rendezvous' event names, without a source-reading stack walk
     JobDir(Path(job.job_dir)).path.mkdir(parents=True, exist_ok=True)
     control = control or open_control(runtime)
     faults = job.faults if job.faults is not None else os.environ.get(FAULT_ENV, "")
@@ -225,10 +234,17 @@ def launch_workers(
         launch=LaunchContext(),  # after every variable above is set
     )
     ranks = runtime.max_world_size
-    with _stop_requests_go_to_the_store(control):
+    with (
+        _stop_requests_go_to_the_store(control),
+        # Removed once the launch is over: a failure's error files are read by then. A
+        # removal that fails must not take the place of the launch's own outcome.
+        tempfile.TemporaryDirectory(
+            prefix="gradline-agent-", ignore_cleanup_errors=True
+        ) as agent_dir,
+    ):
         try:
-            launch = elastic_launch(_launch_config(runtime, control, max_restarts), worker_main)
-            results = launch(job)
+            config = _launch_config(runtime, control, max_restarts, agent_dir)
+            results = elastic_launch(config, worker_main)(job)
         except ChildFailedError as exc:
             raise _failure(exc, control, max_restarts + 1, ranks) from exc
         finally:

@@ -54,6 +54,7 @@ from training.models.registry import build_model, context_length
 from training.objectives import objective_for
 from training.objectives.base import Objective
 from training.progress import Progress
+from training.timings import timed_span
 
 log = logging.getLogger("gradline.train")
 
@@ -497,12 +498,13 @@ def train(
     progress = Progress("train", total, "steps", done=step) if topo.is_main else None
 
     stopped = False
-    while step < total and not stopped:
-        done, segment = run.advance(step)
-        if progress is not None:
-            progress.advance(done - step)
-        step = done
-        stopped = run.at_barrier(step, segment)
+    with timed_span("train_loop") if topo.is_main else contextlib.nullcontext():
+        while step < total and not stopped:
+            done, segment = run.advance(step)
+            if progress is not None:
+                progress.advance(done - step)
+            step = done
+            stopped = run.at_barrier(step, segment)
 
     if progress is not None:
         progress.close()

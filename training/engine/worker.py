@@ -36,8 +36,19 @@ from training.engine.worker_start import adopt, launcher_pid
 from training.errors import GradlineError
 
 
-@record  # a worker's exception reaches the launcher's error report
 def worker_main(job: TrainJob) -> dict[str, Any] | None:
+    """What torch elastic starts in each worker. A failure ends the process with exit
+    code 1 once `@record` has written it for the agent: raised on, it would also reach
+    torch's process wrapper, which pickles the traceback into a /tmp file that nothing
+    removes (one per failed worker)."""
+    try:
+        return _recorded_worker(job)
+    except Exception:
+        raise SystemExit(1) from None
+
+
+@record  # a worker's exception reaches the launcher's error report
+def _recorded_worker(job: TrainJob) -> dict[str, Any] | None:
     adopt(job.launch)  # the launcher's environment and output (a forked worker has not)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = Config.model_validate(job.config)

@@ -220,10 +220,17 @@ class MlflowTracker:
         # When the server stopped answering (time.time()), 0 while it answers: the helper
         # sets it, close() reads it to decide whether waiting for the helper can help.
         self._outage_since = context.Value("d", 0.0)
+        # Released once the writer's `end` is in the journal: the helper, idle between
+        # polls, ships the last records at once instead of after its next poll. A
+        # semaphore, not an Event: releasing one never waits on the helper, where an
+        # Event's set() waits for a helper caught inside wait() and would hang for good
+        # on a helper killed there.
+        self._ended = context.Semaphore(0)
         begins = self._journal.tell()  # where this writer's records start
         self._process = context.Process(
             target=_tracking_process,
             args=(tracking_uri, run_id, str(journal), os.getpid(), begins, self._outage_since),
+            kwargs={"ended": self._ended},
             name="gradline-tracker",
             daemon=True,
         )
@@ -274,6 +281,7 @@ class MlflowTracker:
         registration, or `gradline sync`, ships them once the server is back."""
         self._append({"kind": "end", "writer": os.getpid()})
         self._journal.close()
+        self._ended.release()
         started = time.monotonic()
         while self._process.is_alive() and time.monotonic() - started < timeout_s:
             self._process.join(0.5)
@@ -659,9 +667,11 @@ def _tracking_process(
     writer_pid: int,
     writer_begins: int,
     outage_since=None,
+    ended=None,
 ) -> None:
     """Ship the journal to MLflow until its writer (whose records start at byte
-    `writer_begins`) says `end` or dies."""
+    `writer_begins`) says `end` or dies. Between polls of an idle journal it waits for
+    `ended` (a semaphore the writer releases after its `end`), at most half a second."""
     # Fail fast per request and let `_ship_through_outages` say what it waits for,
     # instead of MLflow's own minutes of silent retries.
     path = Path(journal)
@@ -683,8 +693,12 @@ def _tracking_process(
                 _save_shipped(path, run_id, end)
             elif not pid_alive(writer_pid):
                 return  # the writer was killed: all it wrote is shipped
-            else:
+            elif ended is None:
                 time.sleep(0.5)
+            else:
+                # Released once, after the end is written: taking it, the next read
+                # finds the end and the loop ends, so no wake-up is lost.
+                ended.acquire(timeout=0.5)
             offset = end
 
 
