@@ -16,8 +16,9 @@ OFFLINE_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "DVC_NO_ANALYTICS": "1",
-    # A fresh ephemeral Prefect API needs ~10 s on 2 cores; the default allows 20.
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    # A fresh ephemeral Prefect API needs ~10 s on 2 idle cores (~12 CPU-s), the default
+    # allows 20; on a 2-core host busy with other work it can take minutes.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300",
     # Leases on device slots kept on disk: they outlive a server restart and lapse when
     # their holder stops renewing them, so no kill or restart leaves slots taken
     # (tasks/leases.py).

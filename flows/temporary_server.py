@@ -90,7 +90,7 @@ class TemporaryServer:
 
     def wait_until_ready(self) -> None:
         """Block until the server answers (it started while this process went on)."""
-        timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 120))
+        timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 300))
         deadline = time.monotonic() + timeout
         while not self.ready:
             assert self.proc is not None

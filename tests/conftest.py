@@ -31,6 +31,10 @@ pytest_plugins = ["pytester"]
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+# The tracking helper at the tests' own priority: at its default (19) it yields to the
+# other test processes too, and on a loaded host waited minutes for the CPU to start.
+# test_tracking_outage checks the default.
+os.environ.setdefault("GRADLINE_TRACKER_NICE", "0")
 # Checkpoints are signed (training.signing). Most tests keep theirs in a temp folder
 # outside any project, where only this variable gives a key; one random key per session,
 # inherited by every worker process. tests/test_untrusted_loads.py covers the key file.

@@ -85,7 +85,7 @@ class PrefectServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # ~12 CPU-s: minutes on a loaded 2-core host
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()

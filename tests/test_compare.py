@@ -127,7 +127,7 @@ def _gradline(root: Path, *args: str) -> subprocess.CompletedProcess:
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=480,
     )
 
 
@@ -142,7 +142,7 @@ TINY = (
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_compare_updates_trains_children_under_one_parent(tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 

@@ -188,7 +188,7 @@ def test_rank_failing_every_attempt_fails_the_job_naming_it(
     started = time.monotonic()
     with pytest.raises(TrainingFailed) as failure:
         launch_workers(_job(tiny_shards, tmp_path, _config()), procs_per_node=2, max_restarts=1)
-    assert time.monotonic() - started < 90
+    assert time.monotonic() - started < 200  # not the 300 s collective timeout
     message = str(failure.value)
     assert "after 2 attempt(s)" in message
     assert "root cause: rank 1 raised InjectedFailure: injected failure at step 3" in message
@@ -207,7 +207,7 @@ def test_stalled_rank_fails_the_job_naming_it_within_the_timeout(
     # within the collective timeout.
     found = re.search(r"rank 1 stopped at step 4 in data \(([0-9.]+) s before", str(failure.value))
     assert found, str(failure.value)
-    assert float(found.group(1)) < timeout + 10  # the explanation comes after teardown
+    assert float(found.group(1)) < timeout + 30  # the explanation comes after teardown
     assert not (tmp_path / "ckpt" / "health" / "rank1.json").exists()
 
 

@@ -28,7 +28,7 @@ from training.mlops.tracking import client, ensure_experiment
 from .conftest import REPO
 from .resume_checks import Resumed, assert_resumed
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
 
 GRADLINE = str(Path(sys.executable).parent / "gradline")
 PARAMS = {
@@ -112,7 +112,7 @@ def test_a_full_disk_stops_the_job_at_once_and_a_rerun_resumes(tiny_shards, tmp_
         "MLFLOW_TRACKING_URI": tracking,
         "GRADLINE_FAULT": "fill:rank=0:step=12:once=1",
     }
-    done = subprocess.run([*_namespace(), "bash", "-c", _SCRIPT], cwd=project, env=env, timeout=280)
+    done = subprocess.run([*_namespace(), "bash", "-c", _SCRIPT], cwd=project, env=env, timeout=600)
     assert done.returncode == 0
     first = (out / "first.log").read_text()
     assert (out / "first.code").read_text().strip() == str(USER_ERROR_EXIT_CODE), first[-3000:]

@@ -147,7 +147,7 @@ def test_a_served_run_stopped_by_a_cancel_or_by_ctrl_c_to_serve_resumes(
             second = served.start_run(after_step=first_stop)
             assert _resumed_at(served.output(), first_stop), served.output()[-6000:]
             os.killpg(serve.pid, signal.SIGINT)  # Ctrl-C in serve's terminal
-            assert serve.wait(timeout=120) == 0, served.output()[-6000:]
+            assert serve.wait(timeout=200) == 0, served.output()[-6000:]
             assert client.read_flow_run(second).state.type.value == "CANCELLED"
             second_stop = served.stopped_step(1)
             assert second_stop > first_stop
@@ -205,7 +205,7 @@ class _Served:
     def wait_cancelled(self, flow_run_id) -> float:
         state = lambda: self.client.read_flow_run(flow_run_id).state  # noqa: E731
         _, took = wait_for(
-            "the run is Cancelled", lambda: state().type.value == "CANCELLED", 180, self.output
+            "the run is Cancelled", lambda: state().type.value == "CANCELLED", 240, self.output
         )
         return took
 
@@ -225,7 +225,7 @@ class _Served:
         wait_for(
             "the run's processes end",
             serve_only,
-            30,
+            90,
             lambda: _describe(_processes_marked(mark)),
         )
 

@@ -22,7 +22,7 @@ from training.mlops.registry import (
 )
 from training.mlops.tracking import client, ensure_experiment
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 NAME = "race-test"
 server = test_tracking_outage.server  # the fixture: a real mlflow server on 127.0.0.1
@@ -41,7 +41,7 @@ def _never(_uri: str) -> float:
 
 def _register(uri, run, accuracy, barrier, results) -> None:
     """One project's register step, in its own process, started together with the others."""
-    barrier.wait(timeout=120)
+    barrier.wait(timeout=300)  # five interpreters importing MLflow
     score = Score("test_accuracy", True, accuracy, BASELINE)
     results.put(register_and_gate(uri, NAME, run[1], run[0], score, DIGEST, _never))
 
@@ -57,7 +57,7 @@ def _race(uri: str, runs: dict[float, tuple[str, str]]) -> list[Registration]:
     try:
         for worker in workers:
             worker.start()
-        done = [results.get(timeout=180) for _ in workers]
+        done = [results.get(timeout=300) for _ in workers]
         for worker in workers:
             worker.join(timeout=30)
             assert worker.exitcode == 0

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.atomic import pid_alive, write_json
-from training.errors import TrackingError, TrackingUnavailable
+from training.errors import ConfigError, TrackingError, TrackingUnavailable
 from training.mlops.store_template import new_sqlite_store, save_store_template, seed_store
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,8 @@ TAG_TEST_DIGEST = "gradline.test_digest"
 TAG_GIT_COMMIT = "mlflow.source.git.commit"
 TAG_GIT_DIRTY = "gradline.git_dirty"
 FLOW_RUN_ENV = "GRADLINE_PREFECT_FLOW_RUN_ID"
+# The tracking helper's niceness, 0 to 19 (default 19: training first).
+TRACKER_NICE_ENV = "GRADLINE_TRACKER_NICE"
 # Checkpoint copies waiting to ship: enough for a helper that lags behind a busy host,
 # bounded for a tracking server that stays down (each holds a pruned checkpoint's bytes).
 PENDING_CHECKPOINTS = 10
@@ -214,6 +216,7 @@ class MlflowTracker:
     ) -> None:
         journal.parent.mkdir(parents=True, exist_ok=True)
         self._keep_pending = keep_pending  # checkpoint copies waiting to ship
+        niceness = helper_niceness()  # a bad setting fails here, before any process starts
         self._path, self._uri = journal, tracking_uri
         self._journal = journal.open("a", encoding="utf-8")
         context = multiprocessing.get_context(_helper_start_method())
@@ -235,7 +238,7 @@ class MlflowTracker:
             daemon=True,
         )
         self._process.start()
-        _deprioritize(self._process.pid)
+        _deprioritize(self._process.pid, niceness)
 
     def _append(self, record: dict) -> None:
         self._journal.write(json.dumps(record) + "\n")
@@ -378,12 +381,31 @@ def _helper_start_method() -> str:
     return "fork" if threading.active_count() == 1 and not cuda_started else "spawn"
 
 
-def _deprioritize(pid: int) -> None:
+def helper_niceness() -> int:
+    """The helper's niceness: 19 (the lowest priority) unless `GRADLINE_TRACKER_NICE`
+    says otherwise. At 19 the helper yields to every other process on the host, not only
+    to training: beside unrelated work that fills the CPUs it barely runs, and metrics
+    reach the MLflow UI only once that work pauses."""
+    value = os.environ.get(TRACKER_NICE_ENV, "19")
+    try:
+        niceness = int(value)
+    except ValueError:
+        niceness = -1
+    if not 0 <= niceness <= 19:
+        raise ConfigError(
+            f"{TRACKER_NICE_ENV}={value!r} is not a niceness: set a whole number from 0 "
+            "(the training's own priority) to 19 (the lowest, the default), or unset it"
+        )
+    return niceness
+
+
+def _deprioritize(pid: int, niceness: int) -> None:
     """Training first. Set from the parent right after start, so the helper's own
-    start-up (imports) runs at the lowest priority too. On a saturated host the helper
-    falls behind and catches up when training ends (close() waits for it)."""
+    start-up (imports) runs at that priority too. On a saturated host the helper falls
+    behind and catches up when training ends (close() waits for it). Never above the
+    parent's own priority."""
     with contextlib.suppress(AttributeError, OSError):  # not permitted: normal priority
-        os.setpriority(os.PRIO_PROCESS, pid, 19)
+        os.setpriority(os.PRIO_PROCESS, pid, max(niceness, os.getpriority(os.PRIO_PROCESS, 0)))
 
 
 # A journal record kind that tracking does not know, shipped by the caller's function
