@@ -8,6 +8,7 @@ the outage."""
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import re
@@ -514,3 +515,39 @@ def test_rank_0_killed_while_shipping_lags_every_record_lands_once(
     for key, steps in expected.items():
         held = sorted(m.step for m in mlflow_client.get_metric_history(run_id, key))
         assert held == steps, key  # every journaled value, none twice
+
+
+def test_a_helper_kept_behind_by_a_busy_host_leaves_the_rest_to_the_jobs_end(tmp_path):
+    """A helper that never gets the CPU (stopped here; at niceness 19, other work filling
+    the CPUs does the same) does not fail a job whose training ended: close() stops it
+    after its wait and leaves every unshipped record in the journal, and the job's end
+    ships them at its own priority since the server answers."""
+    import signal
+    from types import SimpleNamespace
+
+    from training.engine.jobdir import JobDir
+    from training.mlops.jobs import _tracking_down
+    from training.mlops.tracking import pending_records
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow_client = client(uri)
+    run_id = mlflow_client.create_run(mlflow_client.create_experiment("behind")).info.run_id
+    job_dir = JobDir(tmp_path / "job")
+    job_dir.path.mkdir()
+    job_dir.run_file.write_text(json.dumps({"run_id": run_id}))
+    tracker = MlflowTracker(uri, run_id, job_dir.journal)
+    os.kill(tracker._process.pid, signal.SIGSTOP)
+    for step in range(1, 6):
+        tracker.log_metrics({"train_loss": 1.0 / step}, step)
+    tracker.close(timeout_s=2)  # returns: no TrackingError for a helper that is behind
+    assert not tracker._process.is_alive()
+    assert pending_records(job_dir.journal) == 6  # 5 values and the end
+
+    job = SimpleNamespace(job_dir=job_dir, run_id=run_id)
+    unreachable = SimpleNamespace(tracking_uri=f"http://127.0.0.1:{free_port()}")
+    assert _tracking_down(unreachable, job)  # no server: they wait for it
+    assert pending_records(job_dir.journal) == 6
+    assert not _tracking_down(SimpleNamespace(tracking_uri=uri), job)  # shipped: not down
+    assert pending_records(job_dir.journal) == 0
+    history = mlflow_client.get_metric_history(run_id, "train_loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5]

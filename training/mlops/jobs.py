@@ -37,7 +37,7 @@ from training.mlops.runs import (
     set_status,
 )
 from training.mlops.serving import log_pyfunc_model
-from training.mlops.sync import defer_job_end
+from training.mlops.sync import defer_job_end, ship_if_answering
 from training.mlops.tracking import MlflowSink, pending_records, redact_uri, tracking_reachable
 from training.models.registry import build_model, check_buildable
 
@@ -132,15 +132,18 @@ def run_job(request: JobRequest, control: Control | None = None) -> JobOutcome:
 
 def _tracking_down(request: JobRequest, job: JobRun) -> bool:
     """Whether the job's end must wait for the tracking server: its helper left records
-    behind, or the server does not answer now (an MLflow call would retry for minutes)."""
-    waiting = pending_records(job.job_dir.journal)
-    if waiting or not tracking_reachable(request.tracking_uri):
+    behind that cannot ship now, or the server does not answer now (an MLflow call would
+    retry for minutes)."""
+    if pending_records(job.job_dir.journal):
+        # Left by a helper that met an outage, or that a busy host kept behind: shipped
+        # here, at the job's own priority, if the server answers.
+        return not ship_if_answering(request.tracking_uri, job.job_dir)
+    if not tracking_reachable(request.tracking_uri):
         log.warning(
             "train: the MLflow tracking server at %s does not answer; the model, result and "
-            "checkpoints are written, and %d journal records of run %s (then its model and "
-            "status) wait in %s until it is back",
+            "checkpoints are written, and run %s's model and status wait in %s until it is "
+            "back",
             redact_uri(request.tracking_uri),
-            waiting,
             job.run_id,
             job.job_dir.journal,
         )

@@ -293,26 +293,38 @@ class MlflowTracker:
             in_outage = self._outage_since.value and self._process.is_alive()
             past_grace = time.monotonic() - started > outage_grace_s
             if in_outage and past_grace and not tracking_reachable(self._uri):
-                self._leave_in_journal()
+                self._leave_in_journal(
+                    "MLflow tracking server still unreachable as the job ends: %d records "
+                    "stay in the journal %s; registration ships them when the server is "
+                    "back (or run `gradline sync`)"
+                )
                 return
+        if self._process.is_alive():  # behind, not failed: a host busy with other work
+            self._leave_in_journal(
+                f"the MLflow tracking helper had not shipped everything {timeout_s:g} s after "
+                "training ended (a host whose CPUs other work fills: it runs at niceness "
+                f"{TRACKER_NICE_ENV}, default 19): %d records stay in the journal %s; the "
+                "job's end ships them when the server answers, else registration or "
+                "`gradline sync` does"
+            )
+            return
         if self._process.exitcode != 0:
             raise TrackingError(
                 f"the MLflow tracking helper failed (exit code {self._process.exitcode}); "
                 "see its error above. Training results are on disk; the run may lack metrics"
             )
 
-    def _leave_in_journal(self) -> None:
+    def _leave_in_journal(self, why: str) -> None:
+        """Stop the helper and say `why` the journal keeps records (a message with two
+        %-fields: how many records, and the journal)."""
         # Safe at any moment: what the helper shipped is saved as an offset only after the
         # server took it, and the next shipper reads back what landed (one value per step).
         self._process.terminate()
-        self._process.join(30)
-        log.warning(
-            "MLflow tracking server still unreachable as the job ends: %d records stay in "
-            "the journal %s; registration ships them when the server is back (or run "
-            "`gradline sync`)",
-            pending_records(self._path),
-            self._path,
-        )
+        self._process.join(10)
+        if self._process.is_alive():  # stopped (SIGSTOP) or ignoring SIGTERM
+            self._process.kill()
+            self._process.join(30)
+        log.warning(why, pending_records(self._path), self._path)
 
 
 def link_checkpoint(path: Path, keep: int = PENDING_CHECKPOINTS) -> Path:
