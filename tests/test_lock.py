@@ -21,7 +21,7 @@ from training.lock import LOCK_ENV
 
 from .conftest import REPO
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(360)  # above the waits below: hangs end in their asserts
 GRADLINE = str(Path(sys.executable).parent / "gradline")
 
 # Holds the project until killed; with "child", also starts a process of its run that
@@ -34,8 +34,11 @@ _HOLDER = textwrap.dedent(
     root, child, seconds = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     with project_lock(root):
         if child == "child":
-            subprocess.Popen([sys.executable, "-c", STRAGGLER, str(root), seconds])
-            time.sleep(1)
+            straggler = subprocess.Popen(
+                [sys.executable, "-c", STRAGGLER, str(root), seconds],
+                stdout=subprocess.PIPE, text=True,
+            )
+            assert straggler.stdout.readline().strip() == "taken"  # its lock is held now
         print("held", flush=True)
         time.sleep(600)
     """
@@ -46,6 +49,7 @@ _STRAGGLER = textwrap.dedent(
     from pathlib import Path
     from training.lock import project_lock
     with project_lock(Path(sys.argv[1]), wait=False):  # a member of its run: no waiting
+        print("taken", flush=True)
         time.sleep(float(sys.argv[2]))
     """
 )

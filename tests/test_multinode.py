@@ -329,8 +329,10 @@ def test_a_rank_stalled_on_another_node_is_named(tiny_shards, tmp_path) -> None:
     cluster = Cluster(tmp_path, tiny_shards)
     endpoint = f"127.0.0.1:{free_port()}"
     flags = _node_flags("2", endpoint, "stall")
-    folders = [cluster.node(name, collective_timeout_s=8, max_restarts=0) for name in ("a", "b")]
-    stall = {"GRADLINE_FAULT": "stall:rank=1:step=4:seconds=20"}
+    # The timeout also bounds the process group's start: 15 s lets the second node's
+    # workers start late on a loaded host; the stall outlasts it by 20 s.
+    folders = [cluster.node(name, collective_timeout_s=15, max_restarts=0) for name in ("a", "b")]
+    stall = {"GRADLINE_FAULT": "stall:rank=1:step=4:seconds=35"}
     first = cluster.start(folders[0], *flags, **stall)
     _wait_for_port(endpoint, first)
     procs = [first, cluster.start(folders[1], *flags, **stall)]
