@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from training.engine.listen import serve_store
+from training.engine.listen import serve_store, wait_until_listening
 from training.engine.signing import Signer, Verdict
 from training.errors import GradlineError
 
@@ -92,6 +92,9 @@ class Control:
     def connect(cls, endpoint: str, job_id: str, timeout_s: float, secret: bytes) -> Control:
         host, port = split_endpoint(endpoint)
         try:
+            # A node started together with the first one waits for it to listen.
+            if not wait_until_listening(host, port, timeout_s):
+                raise ConnectionRefusedError(f"nothing listens on port {port}")
             store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
         except (RuntimeError, OSError) as exc:
             raise ControlUnreachable(

@@ -39,7 +39,7 @@ from training.engine.faults import ENV as FAULT_ENV
 from training.engine.health import describe, latest_failures
 from training.engine.job import TrainJob
 from training.engine.jobdir import JobDir
-from training.engine.rendezvous_events import use_frame_names
+from training.engine.rendezvous_costs import skew_first_round, use_frame_names
 from training.engine.signing import job_secret
 from training.engine.worker import worker_main
 from training.engine.worker_start import LaunchContext, start_method
@@ -223,6 +223,7 @@ def launch_workers(
     # a dead peer's address left by the previous attempt.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     use_frame_names()  # the rendezvous' event names, without a source-reading stack walk
+    skew_first_round(runtime.node_range[1] > 1)  # one node alone: nothing to skew against
     JobDir(Path(job.job_dir)).path.mkdir(parents=True, exist_ok=True)
     control = control or open_control(runtime)
     faults = job.faults if job.faults is not None else os.environ.get(FAULT_ENV, "")

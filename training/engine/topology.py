@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from training.config import MESH_DIMS
-from training.engine.listen import serve_store
+from training.engine.listen import serve_store, wait_until_listening
 from training.errors import ConfigError
 
 
@@ -166,7 +166,7 @@ def process_group(topo: Topology, timeout_s: float = 300.0) -> Iterator[None]:
     if topo.device.type == "cuda":
         torch.cuda.set_device(topo.device)
     timeout = timedelta(seconds=timeout_s)
-    _serve_the_workers_store(topo, timeout)
+    _reach_the_workers_store(topo, timeout)
     # With NCCL, a gloo side too: the loop's small control tensors (losses, timings,
     # the stop flag, the gradient norm) and checkpoint coordination stay on the CPU.
     backend = "cpu:gloo,cuda:nccl" if topo.backend == "nccl" else topo.backend
@@ -203,16 +203,24 @@ def end_process_groups() -> None:
     time.sleep(GLOO_DRAIN_SECONDS)
 
 
-def _serve_the_workers_store(topo: Topology, timeout: timedelta) -> None:
+def _reach_the_workers_store(topo: Topology, timeout: timedelta) -> None:
     """Rank 0 serves the env:// store itself on MASTER_ADDR only: the one
     init_process_group would start listens on every interface. Started elastic-style (no
-    agent store), init_process_group then reuses this server (same process, same port)."""
+    agent store), init_process_group then reuses this server (same process, same port).
+    The other ranks wait until it listens, so that their first try to connect succeeds
+    (a refused one costs torch's back-off: `wait_until_listening`)."""
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if topo.rank != 0 or not address or not port:
+    if not address or not port:
         return
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
         return  # the agent serves it; rank 0 only connects
-    serve_store(address, int(port), timeout)
+    if topo.rank == 0:
+        serve_store(address, int(port), timeout)
+    elif not wait_until_listening(address, int(port), timeout.total_seconds()):
+        raise TimeoutError(
+            f"rank {topo.rank}: the workers' store at {address}:{port}, which rank 0 serves, "
+            f"did not listen within {timeout.total_seconds():g} s (runtime.collective_timeout_s)"
+        )
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

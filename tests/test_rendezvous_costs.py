@@ -1,13 +1,16 @@
-"""The rendezvous' events keep their names when they are taken from the frame instead of
-from `inspect.stack()` (training/engine/rendezvous_events.py)."""
+"""What gradline leaves out of torch's elastic rendezvous (training/engine/rendezvous_costs.py):
+the events keep their names when they are taken from the frame instead of from
+`inspect.stack()`, and a one-node launch skips the first round's random pause while a
+multi-node one keeps it."""
 
 from __future__ import annotations
 
 import inspect
+import time
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-from training.engine.rendezvous_events import caller_name, use_frame_names
+from training.engine.rendezvous_costs import caller_name, skew_first_round, use_frame_names
 
 TORCH_GET_METHOD_NAME = dynamic_rendezvous.get_method_name
 
@@ -54,3 +57,28 @@ def test_launching_names_events_from_frames() -> None:
     finally:
         dynamic_rendezvous.construct_and_record_rdzv_event = real
     assert events == ["Fake.shutdown_like"]
+
+
+def test_one_node_skips_the_first_rounds_random_pause_and_many_nodes_keep_it(monkeypatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)  # torch's _delay sleeps through time
+    try:
+        skew_first_round(False)
+        dynamic_rendezvous._delay(seconds=(0.2, 0.3))  # the first round's skew
+        dynamic_rendezvous._delay(seconds=1)  # polling for the state: still waits
+        assert slept == [1]
+        skew_first_round(True)
+        dynamic_rendezvous._delay(seconds=(0.2, 0.3))
+        assert len(slept) == 2 and 0.2 <= slept[1] <= 0.3
+    finally:
+        skew_first_round(True)
+
+
+def test_the_first_round_is_the_only_random_pause_torch_asks_for() -> None:
+    """The patch assumes torch's rendezvous asks `_delay` for a random range only before
+    its first round: a torch that asks elsewhere would lose that pause too."""
+    source = inspect.getsource(dynamic_rendezvous)
+    assert source.count("_delay(seconds=(") == 1
+    assert "if self._state_holder.state.round == 0:\n                _delay(seconds=(0, 0.3))" in (
+        source
+    )
