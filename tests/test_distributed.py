@@ -25,6 +25,7 @@ import yaml
 
 from training.config import Config, jobspec, load_config, update_params_file, write_overrides
 from training.data.spec import DataSpec
+from training.engine import rendezvous_costs
 from training.engine.launch import PREEMPTED_EXIT_CODE, TrainingFailed, launch_workers
 from training.mlops.tracking import client, ensure_experiment
 from training.models.folder import load_model_dir
@@ -193,6 +194,8 @@ def test_rank_failing_every_attempt_fails_the_job_naming_it(
     assert "after 2 attempt(s)" in message
     assert "root cause: rank 1 raised InjectedFailure: injected failure at step 3" in message
     assert left_in_temp("injected failure at step 3") == []  # read for the message, then removed
+    # One node: the rendezvous skipped its random pause before the first round.
+    assert rendezvous_costs.dynamic_rendezvous._delay is rendezvous_costs._delay_without_skew
 
 
 def test_stalled_rank_fails_the_job_naming_it_within_the_timeout(

@@ -82,6 +82,14 @@ def is_retryable_exit(code: int | None) -> bool:
     return code != USER_ERROR_EXIT_CODE
 
 
+class StoreUnreachable(GradlineError):
+    """A rank's store (the workers' process group meets there) never listened: its server
+    failed or cannot be reached. The job's restart may get past it."""
+
+    exit_code = CRASH_EXIT_CODE
+    retryable = True
+
+
 class DiskFull(GradlineError):
     """A write found no space left; running again fails the same way until space is freed."""
 

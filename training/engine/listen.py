@@ -55,26 +55,37 @@ def serve_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
     return store
 
 
-# How often a rank asks whether the store it is about to join listens yet.
-_LISTEN_POLL_S = 0.005
+# How often a rank asks whether the store it is about to join listens yet: every 5 ms
+# for the first second (ranks of one machine, started together), then every 0.1 s (a
+# node waiting for another machine).
+_LISTEN_POLL_S = (0.005, 0.1)
+_FAST_POLLING_S = 1.0
+# A connection attempt that gets no answer (dropped packets) is given up after this.
+_ATTEMPT_S = 1.0
 
 
 def wait_until_listening(host: str, port: int, timeout_s: float) -> bool:
-    """Whether `host:port` accepts connections within `timeout_s`; True at once on any
-    error but a refusal, which the caller's own connection attempt then reports.
+    """Whether `host:port` accepts connections within `timeout_s`. A name that does not
+    resolve gives True at once: the caller's own connection attempt then reports it.
 
     torch's TCPStore client, refused because its server does not listen yet, tries again
     only after a jittered back-off (0.3 to 0.6 s measured, torch 2.13). Ranks forked
     together reach their store within milliseconds of the rank that serves it, so about
-    every other job's start lost that back-off; a probe every 5 ms does not."""
-    deadline = time.monotonic() + timeout_s
+    every other job's start lost that back-off; a probe every 5 ms does not. A refusal,
+    no answer, or an unreachable host (a node still starting) are tried again until
+    the timeout."""
+    started = time.monotonic()
+    deadline = started + timeout_s
     while True:
+        left = deadline - time.monotonic()
         try:
-            with socket.create_connection((host, port), timeout=timeout_s):
+            with socket.create_connection((host, port), timeout=max(min(left, _ATTEMPT_S), 0.01)):
                 return True
-        except ConnectionRefusedError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(_LISTEN_POLL_S)
-        except OSError:
+        except socket.gaierror:
             return True
+        except OSError:  # refused, timed out, unreachable: not there yet
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        fast = time.monotonic() - started < _FAST_POLLING_S
+        time.sleep(_LISTEN_POLL_S[0] if fast else _LISTEN_POLL_S[1])

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from training.config import MESH_DIMS
 from training.engine.listen import serve_store, wait_until_listening
-from training.errors import ConfigError
+from training.errors import ConfigError, StoreUnreachable
 
 
 @dataclass(frozen=True)
@@ -217,9 +217,11 @@ def _reach_the_workers_store(topo: Topology, timeout: timedelta) -> None:
     if topo.rank == 0:
         serve_store(address, int(port), timeout)
     elif not wait_until_listening(address, int(port), timeout.total_seconds()):
-        raise TimeoutError(
+        raise StoreUnreachable(
             f"rank {topo.rank}: the workers' store at {address}:{port}, which rank 0 serves, "
-            f"did not listen within {timeout.total_seconds():g} s (runtime.collective_timeout_s)"
+            f"did not listen within {timeout.total_seconds():g} s (runtime.collective_timeout_s)."
+            " See rank 0's error; across machines, check that this node reaches that address "
+            "(the first node's runtime.local_addr) and port"
         )
 
 

@@ -27,6 +27,7 @@ from training.engine.embedding_sharding import check_tables_fit
 from training.engine.job import TrainJob
 from training.engine.launch import Preempted, launch_workers, open_control
 from training.engine.tracker import TrackerFactory
+from training.errors import TrackingError
 from training.mlops.runs import (
     JobRun,
     check_checkpoint_location,
@@ -38,7 +39,13 @@ from training.mlops.runs import (
 )
 from training.mlops.serving import log_pyfunc_model
 from training.mlops.sync import defer_job_end, ship_if_answering
-from training.mlops.tracking import MlflowSink, pending_records, redact_uri, tracking_reachable
+from training.mlops.tracking import (
+    MlflowSink,
+    helper_niceness,
+    pending_records,
+    redact_uri,
+    tracking_reachable,
+)
 from training.models.registry import build_model, check_buildable
 
 log = logging.getLogger("gradline")
@@ -82,6 +89,8 @@ def run_job(request: JobRequest, control: Control | None = None) -> JobOutcome:
     if cfg.parallel.embedding_budget_mb:  # embedding tables over a rank's budget: here too
         check_tables_fit(build_model(cfg.model, cfg.task.type, data), cfg, cfg.layout())
     check_batch_fits(manifest["splits"]["train"]["rows"], cfg.train.batch_size)
+    if request.tracking_uri is not None:
+        helper_niceness()  # a bad GRADLINE_TRACKER_NICE: here, not in rank 0 at each restart
     control = control or open_control(cfg.runtime)
     job = _open(request, control, manifest["data_version"])
     log.info(
@@ -136,8 +145,22 @@ def _tracking_down(request: JobRequest, job: JobRun) -> bool:
     retry for minutes)."""
     if pending_records(job.job_dir.journal):
         # Left by a helper that met an outage, or that a busy host kept behind: shipped
-        # here, at the job's own priority, if the server answers.
-        return not ship_if_answering(request.tracking_uri, job.job_dir)
+        # here, at the job's own priority, if the server answers. Training is done: a
+        # failure to ship leaves them to registration or `gradline sync`, as an outage.
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return not ship_if_answering(request.tracking_uri, job.job_dir)
+        except (MlflowException, TrackingError, OSError) as exc:
+            log.warning(
+                "train: shipping the journal's records to %s failed (%s: %s); they wait in "
+                "%s for registration or `gradline sync`",
+                redact_uri(request.tracking_uri),
+                type(exc).__name__,
+                exc,
+                job.job_dir.journal,
+            )
+            return True
     if not tracking_reachable(request.tracking_uri):
         log.warning(
             "train: the MLflow tracking server at %s does not answer; the model, result and "

@@ -320,8 +320,8 @@ class MlflowTracker:
         # Safe at any moment: what the helper shipped is saved as an offset only after the
         # server took it, and the next shipper reads back what landed (one value per step).
         self._process.terminate()
-        self._process.join(10)
-        if self._process.is_alive():  # stopped (SIGSTOP) or ignoring SIGTERM
+        self._process.join(2)
+        if self._process.is_alive():  # stopped (SIGSTOP), or starved by a busy host
             self._process.kill()
             self._process.join(30)
         log.warning(why, pending_records(self._path), self._path)
