@@ -102,6 +102,22 @@ def _shared_prefect_server():
 
 
 @pytest.fixture(autouse=True)
+def _same_random_state_in_any_order() -> None:
+    """Each test starts from the same random state, whichever tests its process ran
+    before: a model built without a seed got the weights the earlier tests' draws left,
+    and one order of the suite failed a test that every other order passed. (numpy is
+    imported with this file; torch, when not imported yet, starts from its fixed default
+    seed when it is.)"""
+    import random
+
+    random.seed(0)
+    if (numpy := sys.modules.get("numpy")) is not None:
+        numpy.random.seed(0)
+    if (torch := sys.modules.get("torch")) is not None:
+        torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def _mlflow_process_state():
     """No test hands MLflow's process-wide store to the next: a test that points it at a
     server it then stops would fail every later in-process `models:/` load."""

@@ -71,6 +71,10 @@ def test_dlrm_without_dense_features_interacts_ids_only():
 
 
 def test_dlrm_output_depends_on_ids_and_gradients_reach_the_tables():
+    # Seeded: with some initial weights every ReLU of the top MLP is off for a row, and
+    # that row's ids get no gradient at all (the suite's earlier tests in the same process
+    # decided the weights, and one order of them failed here).
+    torch.manual_seed(0)
     model = DLRM([100, 50, 5], 2, 1, embedding_dim=4, bottom=[8], top=[8])
     x = rows()
     y = x.clone()
