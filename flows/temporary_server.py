@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from flows.environment import OFFLINE_DEFAULTS
 from flows.prefect_database import default_database, save_template, seeded_or_to_create
 from tasks.prefect_api import TEMPORARY_SERVER_ENV
 from training.errors import OrchestratorUnreachable
@@ -90,7 +91,8 @@ class TemporaryServer:
 
     def wait_until_ready(self) -> None:
         """Block until the server answers (it started while this process went on)."""
-        timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 300))
+        setting = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+        timeout = float(os.environ.get(setting, OFFLINE_DEFAULTS[setting]))
         deadline = time.monotonic() + timeout
         while not self.ready:
             assert self.proc is not None
