@@ -30,6 +30,7 @@ from prefect.runtime import flow_run
 
 from training.atomic import atomic_file
 from training.config import Config
+from training.config.loading import safe_load
 from training.errors import (
     ERROR_FILE_ENV,
     PREEMPTED_EXIT_CODE,
@@ -337,7 +338,7 @@ def pull_outputs(root: str, stage: str) -> None:
 def lock_entry(root: Path, stage: str) -> dict[str, Any]:
     """The stage's entry in dvc.lock: the hashes of its deps, params and outputs."""
     lock = root / "dvc.lock"
-    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}) if lock.is_file() else {}
+    stages = (safe_load(lock.read_text()) or {}).get("stages", {}) if lock.is_file() else {}
     if stage not in stages:
         raise StageFailed(f"{lock} has no entry for stage {stage!r}: it never ran here", 1, False)
     return stages[stage]
@@ -346,7 +347,7 @@ def lock_entry(root: Path, stage: str) -> dict[str, Any]:
 def write_lock_entry(root: Path, stage: str, entry: dict[str, Any]) -> None:
     """Record a stage run elsewhere in this checkout's dvc.lock, as `dvc repro` would."""
     lock = root / "dvc.lock"
-    document = (yaml.safe_load(lock.read_text()) if lock.is_file() else None) or {}
+    document = (safe_load(lock.read_text()) if lock.is_file() else None) or {}
     document.setdefault("schema", "2.0")
     document.setdefault("stages", {})[stage] = entry
     with atomic_file(lock, "w") as handle:

@@ -11,12 +11,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
 from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
 from prefect.runtime import flow_run
 
 from tasks.dvc_stages import PUSH_RETRIES, push_to_remote, run_dvc
+from training.config.loading import safe_load
 from training.project import Project
 
 
@@ -55,7 +55,7 @@ def track_scores(root: str, outcome) -> dict[str, str]:
 
 def dvc_md5(dvc_file: Path) -> str:
     """The md5 a .dvc file records for its output."""
-    document = yaml.safe_load(dvc_file.read_text()) or {}
+    document = safe_load(dvc_file.read_text()) or {}
     return str(document["outs"][0]["md5"])
 
 

@@ -1,5 +1,6 @@
-"""The units of tests that wait on timers name tests that exist: a renamed file or test
-would silently fall back into the processes that compute, and sleep there."""
+"""The units of tests that wait on timers, or share a costly fixture, name tests that
+exist: a renamed file or test would silently fall back into the processes that compute
+(and sleep there, or build the fixture again)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.scheduling import WAITS_UNITS, unit_of_work, waits_unit
+from tests.scheduling import SHARED_SET_UP_UNITS, WAITS_UNITS, unit_of_work, waits_unit
 
 TESTS = Path(__file__).parent
 
 
-@pytest.mark.parametrize("member", [m for members in WAITS_UNITS.values() for m in members])
-def test_every_member_of_a_waits_unit_exists(member: str) -> None:
+UNITS = {**WAITS_UNITS, **SHARED_SET_UP_UNITS}
+
+
+@pytest.mark.parametrize("member", [m for members in UNITS.values() for m in members])
+def test_every_member_of_a_unit_exists(member: str) -> None:
     file, _, test = member.partition("::")
     source = (TESTS / file).read_text()
     if test:
@@ -28,3 +32,15 @@ def test_a_test_belongs_to_its_waits_unit_or_else_to_its_file() -> None:
     assert waits_unit("tests/test_prefect_outage.py::test_y") not in (None, waits_unit(lost_node))
     assert unit_of_work(other) == "tests/test_multinode.py" and waits_unit(other) is None
     assert unit_of_work(f"{lost_node}[param]") == waits_unit(lost_node)
+
+
+def test_every_test_of_the_first_run_is_in_its_unit() -> None:
+    """A test that reads `first_run` outside the unit would build it again elsewhere."""
+    (unit,) = SHARED_SET_UP_UNITS
+    for path in sorted(TESTS.glob("test_*.py")):
+        source = path.read_text()
+        for test in re.findall(r"^def (test_\w+)\([^)]*\bfirst_run\b", source, re.MULTILINE):
+            assert unit_of_work(f"tests/{path.name}::{test}") == unit, f"{path.name}::{test}"
+    assert unit_of_work("tests/test_ui.py::test_ui_on_other_ports_works_in_a_browser") == (
+        "tests/test_ui.py"
+    )

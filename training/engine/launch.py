@@ -195,7 +195,9 @@ def _launch_config(
             "last_call_timeout": round(runtime.rdzv_last_call_s),
         },
         max_restarts=max_restarts,
-        monitor_interval=0.1,  # how soon the agent sees its workers end (a cheap check)
+        # How soon the agent sees its workers end: a waitpid per worker, cheap at 50 a second,
+        # and a job's end waited 0.05 s for it on average at 0.1 s.
+        monitor_interval=0.02,
         start_method=start_method(),
         # SIGTERM is ours (a graceful stop request), not the agent's (kill the workers).
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",

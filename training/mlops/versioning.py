@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
+from training.config.loading import safe_load
 from training.errors import ProjectError
 
 
@@ -16,7 +15,7 @@ def locked_md5(dvc_lock: Path, stage: str, out: str) -> str:
             f"{dvc_lock} not found: run the pipeline through DVC (`dvc repro` or "
             "`gradline run`) so the data version is recorded"
         )
-    lock = yaml.safe_load(dvc_lock.read_text()) or {}
+    lock = safe_load(dvc_lock.read_text()) or {}
     for entry in lock.get("stages", {}).get(stage, {}).get("outs", []):
         if entry.get("path") == out:
             return entry["md5"]
