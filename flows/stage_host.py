@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import gc
 import importlib.metadata
 import json
@@ -409,7 +410,7 @@ def preload_steps(modules: Iterable[str]) -> list[Callable[[], None]]:
     """One step per module to import, then the last steps for the stages (`gradline`'s
     entry point, MLflow's package map)."""
     imports = [lambda m=module: _import_keeping_logging(m) for module in modules]
-    return [*imports, _command_main, _warm_mlflow_package_map]
+    return [*imports, _command_main, _warm_mlflow_package_map, _remember_mlflow_schema_head]
 
 
 def _import_keeping_logging(module: str) -> None:
@@ -431,6 +432,19 @@ def _warm_mlflow_package_map() -> None:
         from mlflow.utils.requirements_utils import _init_packages_to_modules_map
 
         _init_packages_to_modules_map()
+
+
+def _remember_mlflow_schema_head() -> None:
+    """Each SQL store MLflow opens (a stage's, rank 0's tracking helper's) first finds the
+    newest schema revision by loading every one of its ~70 migration scripts (~20 ms,
+    each time). The answer is fixed for the installed MLflow: find it once here, for
+    every stage and worker forked from the host."""
+    with contextlib.suppress(ImportError, AttributeError):
+        from mlflow.store.db import utils
+
+        if not hasattr(utils._get_latest_schema_revision, "cache_info"):
+            utils._get_latest_schema_revision = functools.cache(utils._get_latest_schema_revision)
+        utils._get_latest_schema_revision()
 
 
 def _remove_socket(listener: socket.socket) -> None:

@@ -232,3 +232,34 @@ def test_the_installed_command_hands_a_stage_over_before_importing_the_cli() -> 
     probe += "'flows.cli', 'training.mlops', 'training.config', 'argparse', 'torch'))))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_host_finds_mlflow_s_schema_head_once_for_every_store_it_forks(tmp_path) -> None:
+    """The host's last preload step keeps MLflow's newest schema revision: a store opened
+    afterwards (in the host or a fork) asks for it without loading the migration scripts
+    again, and gets the same answer MLflow computes; a new store is still created, an
+    out-of-date one still refused by MLflow's own check."""
+    script = f"""
+from alembic.script import ScriptDirectory
+from mlflow.store.db import utils
+from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+from flows.stage_host import _remember_mlflow_schema_head
+
+uncached = utils._get_latest_schema_revision
+_remember_mlflow_schema_head()
+_remember_mlflow_schema_head()  # a second warm-up does not wrap it twice
+head = utils._get_latest_schema_revision
+assert head.__wrapped__ is uncached, "wrapped more than once"
+(expected,) = ScriptDirectory.from_config(utils._get_alembic_config(db_url="")).get_heads()
+assert head() == expected
+before = head.cache_info()
+store = SqlAlchemyStore("sqlite:///{tmp_path / "mlflow.db"}", "{tmp_path / "artifacts"}")
+assert store.search_experiments()  # the new store's default experiment
+after = head.cache_info()
+assert after.misses == before.misses and after.hits > before.hits, (before, after)
+print("ok")
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -173,6 +173,38 @@ def test_a_helper_ends_when_a_left_over_helper_already_shipped_its_writers_end(t
     assert not helper.is_alive(), "the helper waits for an end that was already shipped"
 
 
+def test_finish_ships_the_rest_without_waiting_and_close_then_waits_for_it(tmp_path):
+    """Rank 0 finishes its tracker as training ends and closes it once the process group
+    has ended: the helper ships the last records in between, and finish() itself never
+    waits for it (a helper stopped with SIGSTOP cannot slow it down)."""
+    import signal
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow_client = client(uri)
+    run_id = mlflow_client.create_run(mlflow_client.create_experiment("finish")).info.run_id
+    tracker = MlflowTracker(uri, run_id, tmp_path / "job" / "tracking.jsonl")
+    for step in range(1, 6):
+        tracker.log_metrics({"train_loss": 1.0 / step}, step)
+    os.kill(tracker._process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        tracker.finish()
+        tracker.finish()  # once only: a second call adds nothing
+        assert time.monotonic() - started < 1.0
+    finally:
+        os.kill(tracker._process.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 120  # shipped with no close() waiting on it
+    while len(mlflow_client.get_metric_history(run_id, "train_loss")) < 5:
+        assert time.monotonic() < deadline, "finish() did not start the last shipment"
+        time.sleep(0.2)
+    tracker.close(timeout_s=60)
+    assert not tracker._process.is_alive() and tracker._process.exitcode == 0
+    steps = sorted(m.step for m in mlflow_client.get_metric_history(run_id, "train_loss"))
+    assert steps == [1, 2, 3, 4, 5]
+    journal = (tmp_path / "job" / "tracking.jsonl").read_text().splitlines()
+    assert [json.loads(line)["kind"] for line in journal].count("end") == 1
+
+
 def test_a_helper_killed_while_idle_fails_the_close_without_hanging_it(tmp_path):
     """The OOM killer (or anyone) kills the helper while it idles between polls: the job's
     end must say so, not hang. (Waking the helper through a multiprocessing Event hung

@@ -516,7 +516,7 @@ def train(
     selected = run.selection.summary(step, run.stopped_early)
     if not stopped or run.stopped_early:
         record_selection(tracker, selected, step)
-    tracker.close()
+    tracker.finish()  # the helper ships the rest while the process group ends (worker.py)
     run.inst.close()
     if stopped and not run.stopped_early:
         log.warning("rank %d: stopping at step %d on request (preemption)", topo.rank, step)

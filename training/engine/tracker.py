@@ -25,8 +25,12 @@ class Tracker(Protocol):
 
     def log_text(self, text: str, artifact_file: str) -> None: ...
 
+    def finish(self) -> None:
+        """Nothing more will be recorded: what is left may start on its way now (without
+        waiting for it), while the caller ends its other work."""
+
     def close(self) -> None:
-        """Return once everything recorded is where it goes."""
+        """Return once everything recorded is where it goes (finishing first if needed)."""
 
 
 class TrackerFactory(Protocol):
@@ -50,6 +54,9 @@ class NullTracker:
         pass
 
     def log_text(self, text: str, artifact_file: str) -> None:
+        pass
+
+    def finish(self) -> None:
         pass
 
     def close(self) -> None:

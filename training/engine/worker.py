@@ -73,7 +73,11 @@ def _recorded_worker(job: TrainJob) -> dict[str, Any] | None:
         with process_group(topo, cfg.runtime.collective_timeout_s):
             if not topo.shape.plain_data_parallel:  # shards and stages live on a mesh
                 topo = topo.with_device_mesh()
-            return train(cfg, topo, job, tracker, control)
+            result = train(cfg, topo, job, tracker, control)
+        # Rank 0's helper has been shipping the last records since training finished,
+        # while the groups ended (gloo's drain): what is left to wait for, if anything.
+        tracker.close()
+        return result
     except BaseException as exc:
         # Name the root cause for the launcher: the first rank to fail takes its peers
         # down with it, and elastic may report a peer's error instead.

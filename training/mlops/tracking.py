@@ -277,14 +277,21 @@ class MlflowTracker:
             }
         )
 
+    def finish(self) -> None:
+        """The writer's `end` into the journal, and the helper woken to ship the rest at
+        once; returns without waiting (close() waits). Once only."""
+        if self._journal.closed:
+            return
+        self._append({"kind": "end", "writer": os.getpid()})
+        self._journal.close()
+        self._ended.release()
+
     def close(self, timeout_s: float = 600.0, outage_grace_s: float = END_OUTAGE_GRACE_S) -> None:
         """Wait until everything journaled is in the tracking store, unless the server has
         not answered for `outage_grace_s`: then the records stay in the journal and the
         job ends without them (its model and checkpoints never wait on tracking);
         registration, or `gradline sync`, ships them once the server is back."""
-        self._append({"kind": "end", "writer": os.getpid()})
-        self._journal.close()
-        self._ended.release()
+        self.finish()
         started = time.monotonic()
         while self._process.is_alive() and time.monotonic() - started < timeout_s:
             self._process.join(0.5)
