@@ -436,12 +436,16 @@ def _warm_mlflow_package_map() -> None:
 
 def _remember_mlflow_schema_head() -> None:
     """Each SQL store MLflow opens (a stage's, rank 0's tracking helper's) first finds the
-    newest schema revision by loading every one of its ~70 migration scripts (~20 ms,
-    each time). The answer is fixed for the installed MLflow: find it once here, for
-    every stage and worker forked from the host."""
-    with contextlib.suppress(ImportError, AttributeError):
+    newest schema revision by loading every one of its ~70 migration scripts (~15 ms,
+    each time). The answer is fixed for the installed MLflow: find it once here, for the
+    stages forked from the host and what they fork in turn."""
+    try:
+        from mlflow.exceptions import MlflowException
         from mlflow.store.db import utils
-
+    except ImportError:
+        return
+    # A broken install (two heads) is left for the store that needs it to report.
+    with contextlib.suppress(AttributeError, MlflowException):
         if not hasattr(utils._get_latest_schema_revision, "cache_info"):
             utils._get_latest_schema_revision = functools.cache(utils._get_latest_schema_revision)
         utils._get_latest_schema_revision()

@@ -98,6 +98,34 @@ def test_override_values_parse_as_yaml() -> None:
     assert parse_override("registry.model_name=my-model") == ("registry", "model_name", "my-model")
 
 
+def test_an_override_that_is_not_text_is_named() -> None:
+    """Bytes a terminal could not decode reach argv as surrogates: a ConfigError naming
+    the override, not a traceback from the YAML parser."""
+    with pytest.raises(ConfigError, match=r"registry\.model_name=.*not valid text.*UTF-8"):
+        parse_override("registry.model_name=caf\udce9")
+
+
+def test_yaml_is_read_by_c_parsers() -> None:
+    """Every DVC command reads dvc.yaml, dvc.lock and params.yaml with ruamel.yaml, and
+    gradline reads params.yaml and dvc.lock with PyYAML: both through their C parsers
+    (ruamel.yaml.clib, libyaml), ~4-5x faster than their pure-Python ones, which a
+    missing or no longer used extension would silently fall back to."""
+    import yaml
+    from ruamel.yaml import YAML
+
+    from training.config.loading import SafeLoader, Yaml12Loader, safe_load
+
+    assert YAML(typ="safe").Parser.__name__ == "CParser"  # as DVC's loads make it
+    assert SafeLoader is yaml.CSafeLoader and issubclass(Yaml12Loader, yaml.CSafeLoader)
+    # The YAML 1.2 readings the resolvers add hold on the C parser too.
+    assert yaml.load("a: 1:2\nb: 1e-5\nc: [1e3, 0.5]", Loader=Yaml12Loader) == {
+        "a": "1:2",
+        "b": 1e-5,
+        "c": [1000.0, 0.5],
+    }
+    assert safe_load("stages: {x: {outs: [{path: m, md5: ab}]}}")["stages"]["x"]["outs"]
+
+
 def test_overrides_are_recorded_keeping_comments(params: Path) -> None:
     cfg = write_overrides(params, ["train.seed=7", "data.max_rows=100"])
     assert cfg.train.seed == 7 and cfg.data.max_rows == 100

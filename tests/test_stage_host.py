@@ -236,15 +236,15 @@ def test_the_installed_command_hands_a_stage_over_before_importing_the_cli() -> 
 
 def test_the_host_finds_mlflow_s_schema_head_once_for_every_store_it_forks(tmp_path) -> None:
     """The host's last preload step keeps MLflow's newest schema revision: a store opened
-    afterwards (in the host or a fork) asks for it without loading the migration scripts
-    again, and gets the same answer MLflow computes; a new store is still created, an
-    out-of-date one still refused by MLflow's own check."""
+    afterwards asks for it without loading the migration scripts again, and gets the
+    same answer MLflow computes; a new store is still created."""
     script = f"""
 from alembic.script import ScriptDirectory
 from mlflow.store.db import utils
 from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-from flows.stage_host import _remember_mlflow_schema_head
+from flows.stage_host import _remember_mlflow_schema_head, preload_steps
 
+assert preload_steps([])[-1] is _remember_mlflow_schema_head  # the host runs it
 uncached = utils._get_latest_schema_revision
 _remember_mlflow_schema_head()
 _remember_mlflow_schema_head()  # a second warm-up does not wrap it twice

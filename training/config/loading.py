@@ -79,6 +79,11 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = yaml.load(raw, Loader=Yaml12Loader) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from exc
+    except UnicodeEncodeError as exc:  # bytes the terminal's encoding could not decode
+        raise ConfigError(
+            f"override {text!r}: the value is not valid text in this terminal's encoding "
+            f"({exc.reason}); write it in UTF-8"
+        ) from exc
     return section, field, value
 
 

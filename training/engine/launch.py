@@ -195,7 +195,7 @@ def _launch_config(
             "last_call_timeout": round(runtime.rdzv_last_call_s),
         },
         max_restarts=max_restarts,
-        # How soon the agent sees its workers end: a waitpid per worker, cheap at 50 a second,
+        # How soon the agent sees its workers end: a poll of each worker, cheap at 50 a second,
         # and a job's end waited 0.05 s for it on average at 0.1 s.
         monitor_interval=0.02,
         start_method=start_method(),
