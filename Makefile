@@ -40,7 +40,7 @@ test: $(VENV)/.installed-dev browser
 	$(PYTEST) -n $(TEST_WORKERS) --durations=25
 
 # The fast tier: unit and single-process tests (no worker processes, no CLI end to end),
-# under 2 minutes on 2 cores.
+# about 2 minutes on 2 cores.
 test-fast: $(VENV)/.installed-dev
 	$(PYTEST) -n $(FAST_WORKERS) -m "not multiprocess and not e2e" --durations=10
 
