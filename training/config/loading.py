@@ -115,7 +115,8 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
 
 # libyaml's parser where PyYAML has it (its wheels do): params.yaml is read by the flow,
 # every stage and every CLI command, and the pure-Python parser takes ~5x as long. The
-# resolvers below stay Python's, so both read the same values.
+# resolvers below stay Python's, so a file both parsers accept reads the same (libyaml
+# words its errors differently, and takes a tab before a value that Python's refuses).
 SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
