@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from benchmarks.common import copy_project  # the tests' fresh clones
 from flows.stage_host import STAGE_HOST_ENV
 from tests.scheduling import files_and_units_of_waits, unit_of_work, waits_unit
-from tests.servers import SharedPrefect, SharedStageHost
+from tests.servers import RUN_DIR_ENV, SharedPrefect, SharedStageHost
 from training.config import DataConfig, ShardConfig
 from training.data.ingest import ingest
 from training.data.shards import write_shards
@@ -84,20 +86,39 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _one_cache_for_the_test_run(tmp_path_factory) -> None:
+def _one_cache_for_the_test_run() -> None:
     """gradline's cache (the new Prefect homes' database template) in the test run's
-    temporary folder, shared by its test processes: not the user's own."""
-    base = tmp_path_factory.getbasetemp()
-    run_root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    os.environ[CACHE_DIR_ENV] = str(run_root / "gradline-cache")
+    folder, shared by its test processes: not the user's own."""
+    os.environ[CACHE_DIR_ENV] = str(Path(os.environ[RUN_DIR_ENV]) / "gradline-cache")
+
+
+_RUN_DIR_OWNER = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The test run's own folder, made by its first process (under xdist, the controller,
+    before it starts the test processes, which inherit its environment): where the run's
+    shared Prefect server is found (tests/servers.py)."""
+    if RUN_DIR_ENV not in os.environ:
+        os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="gradline-tests-run-")
+        config.stash[_RUN_DIR_OWNER] = Path(os.environ[RUN_DIR_ENV])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's end (under xdist, once its test processes have ended): its shared Prefect
+    server stops and its folder goes, so no process or file of the tests outlives it."""
+    folder = config.stash.get(_RUN_DIR_OWNER, None)
+    if folder is not None:
+        SharedPrefect.stop(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        del os.environ[RUN_DIR_ENV]
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _shared_prefect_server():
-    """The shared Prefect server and stage host (started by the first test that needs
-    them) end with the test run: no process of the tests outlives them."""
+def _shared_stage_host():
+    """A test process's shared stage host (started by the first test that needs it) ends
+    with the process's tests."""
     yield
-    SharedPrefect.stop()
     SharedStageHost.stop()
 
 

@@ -10,13 +10,13 @@ team's machines share theirs; the embedded default keeps its own tests.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,8 +26,11 @@ from flows.environment import OFFLINE_DEFAULTS
 from flows.prefect_database import save_template, seeded_or_to_create
 from flows.stage_host import STAGE_HOST_ENV, stage_host
 from flows.temporary_server import prefect_api_answers
+from training.atomic import pid_alive
 
 BIN = Path(sys.executable).parent
+# The test run's own folder, shared by its test processes (conftest makes it).
+RUN_DIR_ENV = "GRADLINE_TESTS_RUN_DIR"
 
 
 def free_port() -> int:
@@ -123,26 +126,91 @@ def running_prefect_server(tmp_path: Path):
 
 
 class SharedPrefect:
-    """The Prefect server of the whole test run: started on first use, stopped when the
-    run ends (conftest)."""
+    """The Prefect server of the whole test run, shared by all its test processes.
 
-    server: PrefectServer | None = None
+    The first process that needs it starts it, under a lock in the run's own folder
+    (`RUN_DIR_ENV`, made by the run's first process, conftest), and writes down where it
+    is; the others find it there. Only the process that made the folder stops it, when
+    the run ends: a test process that started it may finish while others still use it.
+    One server rather than one per test process: an idle server costs about a CPU-second
+    a minute, and starting one several more.
+    """
+
+    api_url: str | None = None
 
     @classmethod
     def api(cls) -> str:
-        if cls.server is None:
-            home = Path(tempfile.mkdtemp(prefix="gradline-tests-prefect-"))
-            server = PrefectServer(home)
-            server.start()
-            cls.server = server
-        return cls.server.api
+        if cls.api_url is None:
+            folder = Path(os.environ[RUN_DIR_ENV])
+            with (folder / "prefect.lock").open("w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # the others wait while one starts it
+                record = folder / "prefect.json"
+                if not record.exists():
+                    record.write_text(json.dumps(_start_shared_server(folder)))
+                cls.api_url = json.loads(record.read_text())["api"]
+        return cls.api_url
 
     @classmethod
-    def stop(cls) -> None:
-        if cls.server is not None:
-            cls.server.stop()
-            shutil.rmtree(cls.server.home, ignore_errors=True)
-            cls.server = None
+    def stop(cls, folder: Path) -> None:
+        """Stop the run's server, if any process started one (the run's end)."""
+        record = folder / "prefect.json"
+        if record.exists():
+            pid = json.loads(record.read_text())["pid"]
+            _stop_foreign_group(pid)
+        cls.api_url = None
+
+
+def _start_shared_server(folder: Path) -> dict:
+    (home := folder / "prefect-home").mkdir()
+    server = PrefectServer(home)
+    server.start()
+    _device_quota_per_test_process(server)
+    return {"api": server.api, "pid": server.proc.pid}
+
+
+def _device_quota_per_test_process(server: PrefectServer) -> None:
+    """The flows' device limit with a machine's quota for each test process, as when each
+    process had a server of its own: no test process queues for another's slots. (Tests
+    of the quota itself name limits of their own.)"""
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    from tasks.quota import devices_here
+    from training.config.sections import OrchestrateConfig
+
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    limit = GlobalConcurrencyLimitCreate(
+        name=OrchestrateConfig().device_limit, limit=devices_here() * processes
+    )
+    with server.client() as client:
+        client.create_global_concurrency_limit(limit)
+
+
+def _stop_foreign_group(pid: int, seconds: float = 30.0) -> None:
+    """Stop the process group led by `pid`, which another process started (so it cannot
+    be waited for): politely, then surely."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + seconds
+        while not _ended(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _ended(pid):
+            return
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has exited: gone, or a zombie its parent has yet to reap
+    (this process, reaped here, when it started the server itself)."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return not pid_alive(pid)  # no /proc here: a zombie reads as alive
+    return state == "Z"
 
 
 class SharedStageHost:
