@@ -42,13 +42,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from flows.process_end import end_process
 from training.host_client import HEADER, STAGE_HOST_ENV
+from training.tempdirs import owned_tempdir
 
 # What DVC's commands import (most of it lazily, as a command needs it): loaded first,
 # so that the flow's `dvc` commands fork from the host within a fraction of a second.
@@ -119,7 +119,7 @@ def stage_host() -> Iterator[subprocess.Popen | None]:
     if os.environ.get(STAGE_HOST_ENV) or not hasattr(socket, "send_fds"):
         yield None
         return
-    folder = tempfile.mkdtemp(prefix="gradline-host-")
+    folder = owned_tempdir("gradline-host-")
     path = str(Path(folder) / "stages.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)  # bound before anyone is told, so a stage never misses it

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from training.mlops.dvc_cli import DvcCommandFailed, dvc_process, dvc_status
 from training.mlops.remote import failed_files, push_failed
 from training.mlops.tracking import FLOW_RUN_ENV
 from training.mlops.versioning import data_version
+from training.tempdirs import owned_temporary_directory
 from training.timings import timed_span
 
 # DVC's hints about git and pushing: the flow acts on them itself.
@@ -119,7 +119,7 @@ def run_dvc(
     # On a terminal the stage's stderr (progress bars, errors) goes straight to it.
     stderr = None if sys.stderr.isatty() and not keep_stderr else subprocess.STDOUT
     tail: deque[str] = deque(maxlen=60)
-    with tempfile.TemporaryDirectory(prefix="gradline-stage-") as tmp:
+    with owned_temporary_directory("gradline-stage-") as tmp:
         record_file = Path(tmp) / "error.json"
         env[ERROR_FILE_ENV] = str(record_file)
         with dvc_process(root, *args, env=env, stdout=subprocess.PIPE, stderr=stderr) as proc:

@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -49,6 +48,7 @@ from training.errors import (
     USER_ERROR_EXIT_CODE,
     GradlineError,
 )
+from training.tempdirs import owned_temporary_directory
 
 log = logging.getLogger("gradline.launch")
 
@@ -241,9 +241,7 @@ def launch_workers(
         _stop_requests_go_to_the_store(control),
         # Removed once the launch is over: a failure's error files are read by then. A
         # removal that fails must not take the place of the launch's own outcome.
-        tempfile.TemporaryDirectory(
-            prefix="gradline-agent-", ignore_cleanup_errors=True
-        ) as agent_dir,
+        owned_temporary_directory("gradline-agent-") as agent_dir,
     ):
         try:
             config = _launch_config(runtime, control, max_restarts, agent_dir)

@@ -21,7 +21,6 @@ import importlib.metadata
 import importlib.util
 import shutil
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from training.mlops.registry import Incompatible
 from training.mlops.tracking import client, fluent_store
 from training.models.folder import TOKENIZER_FILE, load_model_dir
 from training.objectives import Generation, objective_for
+from training.tempdirs import owned_temporary_directory
 
 MODEL_DIR_ARTIFACT = "model_dir"
 
@@ -134,7 +134,7 @@ def log_pyfunc_model(
     experiment_id = client(tracking_uri).get_run(run_id).info.experiment_id
     with (
         fluent_store(tracking_uri),
-        tempfile.TemporaryDirectory(prefix="gradline-code-") as staging,
+        owned_temporary_directory("gradline-code-") as staging,
     ):
         mlflow.set_experiment(experiment_id=experiment_id)
         info = Model.log(
@@ -164,7 +164,7 @@ def downloaded_model(model_uri: str, tracking_uri: str) -> Iterator[tuple[Path, 
     # The whole fluent state, not just download_artifacts' URI arguments: a registered
     # version's source (models:/<model id>) is resolved again through the process-wide
     # tracking URI.
-    with fluent_store(tracking_uri), tempfile.TemporaryDirectory(prefix="gradline-model-") as tmp:
+    with fluent_store(tracking_uri), owned_temporary_directory("gradline-model-") as tmp:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=tmp))
         logged = Model.load(str(local))
         flavor = logged.flavors["python_function"]
