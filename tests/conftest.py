@@ -99,7 +99,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """The test run's own folder, made by its first process (under xdist, the controller,
     before it starts the test processes, which inherit its environment): where the run's
     shared Prefect server is found (tests/servers.py)."""
-    if RUN_DIR_ENV not in os.environ:
+    inherited = os.environ.get(RUN_DIR_ENV, "")
+    # An inherited folder is an outer run's (a test process's, or a run around this one);
+    # one that is gone belonged to a run that ended: this run makes its own.
+    if not (inherited and os.path.isdir(inherited)):
         os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="gradline-tests-run-")
         config.stash[_RUN_DIR_OWNER] = Path(os.environ[RUN_DIR_ENV])
 

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -145,9 +146,11 @@ class SharedPrefect:
             with (folder / "prefect.lock").open("w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # the others wait while one starts it
                 record = folder / "prefect.json"
-                if not record.exists():
-                    record.write_text(json.dumps(_start_shared_server(folder)))
-                cls.api_url = json.loads(record.read_text())["api"]
+                known = json.loads(record.read_text()) if record.exists() else None
+                if known is None or _ended(known["pid"]):  # none yet, or it died
+                    known = _start_shared_server(folder)
+                    record.write_text(json.dumps(known))
+                cls.api_url = known["api"]
         return cls.api_url
 
     @classmethod
@@ -155,16 +158,21 @@ class SharedPrefect:
         """Stop the run's server, if any process started one (the run's end)."""
         record = folder / "prefect.json"
         if record.exists():
-            pid = json.loads(record.read_text())["pid"]
-            _stop_foreign_group(pid)
+            _stop_foreign_group(json.loads(record.read_text())["pid"])
         cls.api_url = None
 
 
 def _start_shared_server(folder: Path) -> dict:
-    (home := folder / "prefect-home").mkdir()
-    server = PrefectServer(home)
-    server.start()
-    _device_quota_per_test_process(server)
+    """A started server with the flows' device limit: its address and process. A start
+    that fails or is interrupted (a test's timeout) leaves no server behind, and the next
+    test to ask tries again in a home of its own."""
+    server = PrefectServer(Path(tempfile.mkdtemp(prefix="prefect-home-", dir=folder)))
+    try:
+        server.start()
+        _device_quota_per_test_process(server)
+    except BaseException:
+        server.stop()
+        raise
     return {"api": server.api, "pid": server.proc.pid}
 
 
@@ -187,7 +195,14 @@ def _device_quota_per_test_process(server: PrefectServer) -> None:
 
 def _stop_foreign_group(pid: int, seconds: float = 30.0) -> None:
     """Stop the process group led by `pid`, which another process started (so it cannot
-    be waited for): politely, then surely."""
+    be waited for): politely, then surely; unless that pid is no longer a Prefect server
+    (it ended, and the pid went to another process)."""
+    if Path("/proc/self").exists():  # else no way to tell: trust the record
+        try:
+            if b"prefect" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return
+        except OSError:  # gone
+            return
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pid, sig)

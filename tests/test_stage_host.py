@@ -22,6 +22,7 @@ from flows.stage_host import STAGE_HOST_ENV, stage_host
 from training.config import update_params_file
 from training.host_client import HostedProcess
 from training.mlops.dvc_cli import dvc_process
+from training.tempdirs import owner_scope
 
 from .conftest import copy_project
 
@@ -214,6 +215,8 @@ def test_the_host_ends_with_the_process_that_started_it(tmp_path) -> None:
         [sys.executable, "-c", owner_code], stdout=subprocess.PIPE, text=True, env=_env()
     )
     pid, socket_path = owner.stdout.readline().split()
+    # Named for its owner: were both SIGKILLed, the next folder of its kind removes it.
+    assert Path(socket_path).parent.name.startswith(f"gradline-host-{owner_scope()}-{owner.pid}-")
     host = psutil.Process(int(pid))
     owner.kill()  # no chance to remove the socket's folder itself
     owner.wait()

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from training.tempdirs import (
-    _pid_namespace,
     owned_tempdir,
     owned_temporary_directory,
+    owner_scope,
     remove_orphans,
 )
 
@@ -28,7 +28,10 @@ def prefix():
     prefix = f"gradline-test-{secrets.token_hex(4)}-"
     yield prefix
     for leftover in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover)
+        else:
+            leftover.unlink()
 
 
 def _dead_pid() -> int:
@@ -50,38 +53,42 @@ def test_a_sigkilled_owner_s_folder_goes_with_the_next_folder_of_its_kind(prefix
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     left = Path(proc.stdout.strip())
     assert left.is_dir() and (left / "error.json").exists()  # SIGKILL left it behind
-    assert left.name.startswith(f"{prefix}{_pid_namespace()}-")
+    assert left.name.startswith(f"{prefix}{owner_scope()}-")
 
     mine = Path(owned_tempdir(prefix))
     try:
         assert not left.exists()  # its owner is gone: removed
-        assert mine.is_dir() and mine.name.startswith(f"{prefix}{_pid_namespace()}-{os.getpid()}-")
+        assert mine.is_dir() and mine.name.startswith(f"{prefix}{owner_scope()}-{os.getpid()}-")
     finally:
         mine.rmdir()
 
 
-def test_only_folders_of_gone_owners_in_this_pid_namespace_are_removed(prefix) -> None:
-    base = Path(tempfile.gettempdir())
-    namespace, dead = _pid_namespace(), _dead_pid()
-    gone = base / f"{prefix}{namespace}-{dead}-abc"
-    live = base / f"{prefix}{namespace}-{os.getpid()}-abc"  # this process: alive
-    other_namespace = base / f"{prefix}{namespace}1-{dead}-abc"  # another container's
-    unnamed = base / f"{prefix}{namespace}-notapid-abc"
-    for folder in (gone, live, other_namespace, unnamed):
-        folder.mkdir()
-        (folder / "file").write_text("x")
-    a_file = base / f"{prefix}{namespace}-{dead}-file"
-    a_file.write_text("not a folder")
+def test_only_folders_of_gone_owners_of_this_scope_are_removed(prefix) -> None:
+    base, scope = Path(tempfile.gettempdir()), owner_scope()
+    assert scope is not None and len(scope) == 8  # Linux: a boot and a pid namespace
+    living = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert remove_orphans(prefix) == [gone]
+        gone = base / f"{prefix}{scope}-{_dead_pid()}-abc"
+        live = base / f"{prefix}{scope}-{living.pid}-abc"  # another process, alive
+        other_scope = base / f"{prefix}0{scope[1:]}-{_dead_pid()}-abc"  # another machine's
+        unnamed = base / f"{prefix}{scope}-notapid-abc"
+        for folder in (gone, live, other_scope, unnamed):
+            folder.mkdir()
+            (folder / "file").write_text("x")
+        a_file = base / f"{prefix}{scope}-{_dead_pid()}-file"
+        a_file.write_text("not a folder")
+        elsewhere = base / f"{prefix}target"
+        elsewhere.mkdir()
+        a_link = base / f"{prefix}{scope}-{_dead_pid()}-link"
+        a_link.symlink_to(elsewhere)
+
+        assert remove_orphans(prefix, scope) == [gone]
         assert not gone.exists()
-        assert live.is_dir() and other_namespace.is_dir() and unnamed.is_dir()
-        assert a_file.is_file()
+        assert live.is_dir() and other_scope.is_dir() and unnamed.is_dir()
+        assert a_file.is_file() and a_link.is_symlink() and elsewhere.is_dir()
     finally:
-        for folder in (live, other_namespace, unnamed):
-            (folder / "file").unlink()
-            folder.rmdir()
-        a_file.unlink()
+        living.kill()
+        living.wait()
 
 
 def test_the_block_s_folder_is_removed_on_the_way_out_even_on_an_error(prefix) -> None:

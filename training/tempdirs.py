@@ -5,16 +5,20 @@ folder, a stage's error record, the stage host's socket, a model being logged. E
 removed on every way out but one: SIGKILL (a drill, the OOM killer, `kill -9` on a run's
 tree) leaves it in the system's temporary folder, one more with every such run.
 
-Here a folder's name carries its owner: `<prefix><pid namespace>-<pid>-<random>`. Making
-a folder of a prefix first removes that prefix's folders whose owner is gone. Only owners
-in this process's pid namespace are judged (another container sharing the folder has
-pids of its own), and a pid that came back as another process keeps its folder: a
-leftover kept, never a live folder removed.
+Here a folder's name carries its owner: `<prefix><scope>-<pid>-<random>`, where the scope
+says where that pid means that process: this kernel's boot (machines sharing a
+temporary folder, as cluster nodes may, boot apart) and this pid namespace (containers
+sharing one have pids of their own). Making a folder of a prefix first removes that
+prefix's folders of the same scope whose owner is gone. A pid that came back as another
+process keeps its folder: a leftover kept, never a live folder removed. Where Linux's
+/proc cannot tell the scope, folders are plain and nothing is removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import hashlib
 import os
 import re
 import shutil
@@ -25,20 +29,25 @@ from pathlib import Path
 from training.atomic import pid_alive
 
 
-def _pid_namespace() -> str:
-    """This process's pid namespace, as a number ("0" where the platform has none)."""
+def owner_scope() -> str | None:
+    """Where this process's pid names this process, as 8 hex digits: the kernel's boot
+    and the pid namespace. None where /proc does not say."""
     try:
-        return re.sub(r"\D", "", os.readlink("/proc/self/ns/pid")) or "0"
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
-        return "0"
+        return None
+    return hashlib.sha256(f"{boot} {namespace}".encode()).hexdigest()[:8]
 
 
 def owned_tempdir(prefix: str) -> str:
     """A new temporary folder named for this process (`mkdtemp`: the caller removes it),
     after removing the leftovers of `prefix` whose owners are gone."""
-    namespace = _pid_namespace()
-    remove_orphans(prefix, namespace)
-    return tempfile.mkdtemp(prefix=f"{prefix}{namespace}-{os.getpid()}-")
+    scope = owner_scope()
+    if scope is None:
+        return tempfile.mkdtemp(prefix=prefix)
+    remove_orphans(prefix, scope)
+    return tempfile.mkdtemp(prefix=f"{prefix}{scope}-{os.getpid()}-")
 
 
 @contextlib.contextmanager
@@ -52,15 +61,17 @@ def owned_temporary_directory(prefix: str) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def remove_orphans(prefix: str, namespace: str | None = None) -> list[Path]:
-    """Remove the folders of `prefix` in the temporary folder whose owner, in this pid
-    namespace, has exited; return them."""
-    namespace = namespace or _pid_namespace()
-    owner = re.compile(rf"{re.escape(prefix)}{namespace}-(\d+)-")
+def remove_orphans(prefix: str, scope: str) -> list[Path]:
+    """Remove the folders of `prefix` and `scope` in the temporary folder whose owner has
+    exited; return those removed."""
+    owner = re.compile(rf"{re.escape(prefix)}{scope}-(\d+)-")
     removed = []
-    for folder in Path(tempfile.gettempdir()).glob(f"{prefix}{namespace}-*"):
+    for folder in Path(tempfile.gettempdir()).glob(f"{glob.escape(prefix)}{scope}-*"):
         match = owner.match(folder.name)
-        if match and folder.is_dir() and not pid_alive(int(match.group(1))):
+        if not match or folder.is_symlink() or not folder.is_dir():
+            continue
+        if not pid_alive(int(match.group(1))):
             shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
+            if not folder.exists():  # (another user's stays: not ours to remove)
+                removed.append(folder)
     return removed
