@@ -21,7 +21,6 @@ from flows.stage_host import stage_host
 from flows.train_pool import check_train_pool, train_on_pool
 from tasks.drift import check_drift
 from tasks.dvc_stages import push_all, push_data, run_stage, stale_stages
-from tasks.leases import prepare_reclaim
 from tasks.notify import notify_champion, notify_failure
 from tasks.quota import check_quota, device_slots
 from tasks.registry import (
@@ -32,6 +31,7 @@ from tasks.registry import (
     publish_summary,
     register_model,
 )
+from tasks.warm_imports import wait_for_background_imports
 from tasks.watchdog import ensure_watchdogs
 from training.config import Config, load_config, write_overrides
 from training.engine.signing import job_secret
@@ -104,7 +104,6 @@ def _run_steps(root: str, overrides: list[str], force: bool, accept_drift: bool)
                 step.at("done")
                 return Completed(name="Skipped", message=latest.headline, data=latest)
         step.at("ingest")
-        prepare_reclaim()  # the device quota's lease clean-up, made ready as stages run
         prepare_registration()  # and MLflow, for registration
         run_stage(cfg, root, "ingest", force)
         step.at("drift")  # new data against the champion's: warn, or stop before training
@@ -114,6 +113,9 @@ def _run_steps(root: str, overrides: list[str], force: bool, accept_drift: bool)
         step.at("shard")
         run_stage(cfg, root, "shard", force)
         step.at("train")
+        # What the flow imports in the background ends before training, not during it: a
+        # thread of this process taking a core from a worker slows every rank's steps.
+        wait_for_background_imports()
         # Devices are held only when training will run: DVC skips an up-to-date stage.
         will_train = force or stale_stages(Path(root), "train")
         if will_train and cfg.orchestrate.train_pool:

@@ -9,7 +9,8 @@ a full Prefect server's repossessor service then gives its slots back.
 The temporary server a `gradline run` starts when PREFECT_API_URL is unset runs no
 repossessor, yet every temporary server shares one database: a killed run's slots
 would stay taken there for good. `reclaim_lapsed_slots` does the repossessor's work for
-it, with Prefect's own revocation, before a run waits for slots.
+it, with Prefect's own revocation, when a run finds the slots it needs taken (free
+slots are taken at once: the clean-up imports Prefect's server package, about a second).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from prefect.settings import get_current_settings
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from tasks.prefect_api import lasting_api_url
-from tasks.warm_imports import import_in_background, wait_for_background_imports
 
 
 def local_leases() -> bool:
@@ -37,25 +37,12 @@ def reclaim_lapsed_slots() -> int:
     """
     if not _reclaims_here():
         return 0
-    wait_for_background_imports()  # Prefect's server package, queued by prepare_reclaim
     return run_coro_as_sync(_revoke_lapsed())
 
 
 def _reclaims_here() -> bool:
     """A temporary server (no repossessor) whose leases this process can read."""
     return not lasting_api_url() and local_leases()
-
-
-def prepare_reclaim() -> None:
-    """Where `reclaim_lapsed_slots` will have work to do, import what it needs (~1 s of
-    Prefect's server package) in the background now, while the flow's first stages run,
-    instead of when training waits for its slots."""
-    if _reclaims_here():
-        import_in_background(
-            "prefect.server.concurrency.lease_storage",
-            "prefect.server.database",
-            "prefect.server.services.repossessor",
-        )
 
 
 async def _revoke_lapsed() -> int:

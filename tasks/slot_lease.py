@@ -57,6 +57,10 @@ class SlotLease:
         self._keeper: threading.Thread | None = None
         self._said_taken = False  # "another run took them" is said once per lapse
 
+    def take_if_free(self) -> bool:
+        """One request for the slots: whether they were free (and are now held)."""
+        return self._try_take() is None
+
     def take(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for the slots; TimeoutError if they stay taken."""
         deadline = time.monotonic() + timeout_s

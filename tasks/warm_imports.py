@@ -1,8 +1,9 @@
 """Imports the flow needs later, done now in a background thread while stages run.
 
 The flow process spends most of a run waiting for its `dvc` commands; a module it will
-need only later (MLflow for registration, Prefect's server package for the lease
-clean-up) is imported meanwhile instead of when the flow gets there.
+need only later (MLflow for registration) is imported meanwhile instead of when the
+flow gets there. The flow waits for them before training starts (a thread of the flow
+taking a core from a worker would slow every rank).
 
 One thread imports everything queued, one module after another: two packages built on
 SQLAlchemy's ORM must never be imported side by side (configuring one's mappers while
