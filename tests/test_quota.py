@@ -9,7 +9,7 @@ import secrets
 
 import pytest
 from prefect import flow
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
 from tasks import quota
 from tasks.slot_lease import SlotLease
@@ -19,7 +19,9 @@ from training.config.loading import validate
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
-def test_free_slots_skip_the_clean_up_and_taken_ones_run_it_before_waiting(monkeypatch) -> None:
+def test_free_slots_skip_the_clean_up_and_taken_ones_run_it_before_waiting(
+    monkeypatch, tmp_path
+) -> None:
     limit = f"gradline-quota-{secrets.token_hex(4)}"
     cfg = validate(
         {
@@ -36,10 +38,12 @@ def test_free_slots_skip_the_clean_up_and_taken_ones_run_it_before_waiting(monke
         with quota.device_slots(cfg) as held:
             return held
 
-    with temporary_settings({PREFECT_API_URL: SharedPrefect.api()}):
+    # The flows run in this process: their Prefect home is the test's, not the user's.
+    settings = {PREFECT_API_URL: SharedPrefect.api(), PREFECT_HOME: tmp_path / "prefect"}
+    with temporary_settings(settings):
         assert train_with_the_slots() == 1
         assert clean_ups == []  # the slot was free: taken at once
-        rival = SlotLease(limit, 1, 60, None, logging.getLogger("rival"))
+        rival = SlotLease(limit, 1, 600, None, logging.getLogger("rival"))  # outlasts the test
         assert rival.take_if_free()  # the flow gave its slot back
         try:
             with pytest.raises(quota.QuotaWaitExpired, match=limit):
