@@ -160,7 +160,7 @@ def stop_stage(
         tree = [dvc, *dvc.children(recursive=True)]
     except psutil.NoSuchProcess:
         tree = []
-    stages = [p for p in tree if _is_stage(p)]
+    stages = _outermost_stages(tree)
     for target in stages or tree[:1]:  # no stage started yet: stop dvc itself
         with contextlib.suppress(psutil.Error):
             target.terminate()
@@ -172,6 +172,22 @@ def stop_stage(
     finally:
         deadline.cancel()
         _kill(tree)
+
+
+def _outermost_stages(tree: list[psutil.Process]) -> list[psutil.Process]:
+    """The `gradline stage` processes of the tree that no other one started: a stage
+    started without the stage host forks its workers' server, and so its workers, from
+    itself (training/engine/worker_start.py), and they carry its command line. The stop
+    request goes to the stage, which stops them at a checkpoint."""
+    stages = [p for p in tree if _is_stage(p)]
+    pids = {p.pid for p in stages}
+    return [p for p in stages if _parent_pid(p) not in pids]
+
+
+def _parent_pid(process: psutil.Process) -> int | None:
+    with contextlib.suppress(psutil.Error):
+        return process.ppid()
+    return None
 
 
 def _is_stage(process: psutil.Process) -> bool:

@@ -122,6 +122,27 @@ def test_torn_save_is_never_listed_or_loaded(tmp_path) -> None:
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_job_starts_by_removing_torn_saves_and_a_save_keeps_its_own_folder(tmp_path) -> None:
+    """Rank 0 removes a killed attempt's torn folders as the job starts, the newest step's
+    included; never during a save, where another rank may have made the step's folder
+    already (DCP makes it on every rank as the save begins)."""
+    for step in (4, 9):
+        (tmp_path / f"step-{step:08d}.tmp").mkdir()
+        (tmp_path / f"step-{step:08d}.tmp" / "__3_0.distcp").write_bytes(b"old")
+    runtime = SimpleNamespace(async_checkpoint=False, keep_checkpoints=2)
+    tracker = SimpleNamespace(log_checkpoint=None)
+    other_rank = Checkpointer.for_job(SimpleNamespace(is_main=False), tmp_path, runtime, tracker)
+    assert len(list(tmp_path.glob("*.tmp"))) == 2  # only rank 0 removes them
+    writer = Checkpointer.for_job(SimpleNamespace(is_main=True), tmp_path, runtime, tracker)
+    assert not list(tmp_path.glob("*.tmp"))
+    (tmp_path / "step-00000009.tmp").mkdir()  # as another rank's save makes it first
+    writer.save(9, _state(9), {"step": 9}, {})
+    other_rank.close()
+    writer.close()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000009"]
+    assert torch.equal(_loaded(checkpoint_dir(tmp_path, 9))["model"]["w"], torch.full((3,), 9.0))
+
+
 def test_no_checkpoint_means_fresh_start(tmp_path) -> None:
     assert find_latest(tmp_path / "missing") is None
 

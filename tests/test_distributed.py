@@ -318,7 +318,10 @@ def test_sigterm_to_the_stage_under_dvc_repro_stops_it_and_dvc_repro_resumes(tmp
             assert time.monotonic() < deadline, "no checkpoint appeared"
             time.sleep(0.2)
         children = psutil.Process(dvc.pid).children(recursive=True)
-        (stage,) = [p for p in children if "stage" in p.cmdline() and "train" in p.cmdline()]
+        # The stage, not its workers' server and workers: forks of it, they share its
+        # command line.
+        stages = [p for p in children if "stage" in p.cmdline() and "train" in p.cmdline()]
+        (stage,) = [p for p in stages if p.ppid() not in {s.pid for s in stages}]
         stage.send_signal(signal.SIGTERM)
         assert dvc.wait(timeout=300) != 0  # dvc reports the stage did not finish
     finally:

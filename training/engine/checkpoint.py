@@ -228,6 +228,17 @@ def load_model_weights(path: Path, model: torch.nn.Module, key: str = "model") -
     model.load_state_dict(weights)
 
 
+def remove_torn_saves(directory: Path, below: int | None = None) -> None:
+    """Remove the `.tmp` folders of saves that never completed (of steps below `below`):
+    a killed attempt's, or one that failed. Rank 0 alone, where no save is running."""
+    if not directory.is_dir():
+        return
+    for torn in directory.iterdir():
+        match = _TMP_NAME.match(torn.name)
+        if match and (below is None or int(match.group(1)) < below):
+            shutil.rmtree(torn, ignore_errors=True)
+
+
 class Checkpointer:
     """One per rank. `save` returns the seconds the loop stalled: with `asynchronous`, only
     for DCP's copy of the state into CPU memory; the writes, rank 0's checksums, rename,
@@ -260,13 +271,20 @@ class Checkpointer:
 
     @classmethod
     def for_job(cls, topo, directory: Path, runtime, tracker) -> Checkpointer:
+        if topo.is_main:
+            remove_torn_saves(directory)
         group = None
-        if runtime.async_checkpoint and dist.is_available() and dist.is_initialized():
+        distributed = dist.is_available() and dist.is_initialized()
+        if runtime.async_checkpoint and distributed:
             # The background save runs collectives; on a group of its own they never
             # interleave with the loop's on the default group. gloo, because async_save
             # needs a CPU backend (an NCCL-only default group is refused, even on 1 rank).
             # A collective: every rank creates its Checkpointer at the same point.
             group = dist.new_group(backend="gloo")
+        if distributed:
+            # Every rank makes a save's folder as the save begins (DCP's local plan), maybe
+            # before rank 0 arrives: none may, before rank 0 has removed the torn ones.
+            dist.barrier(group=group)
         return cls(
             directory,
             runtime.keep_checkpoints,
@@ -291,11 +309,8 @@ class Checkpointer:
         # A full disk fails here, naming the folder, before a torn save; the checkpoints
         # already written are kept (pruning comes after a complete save).
         ensure_free(self.directory, state_bytes(state) + _ROOM_MARGIN)
+        # (A torn save of this step by a killed attempt was removed as the job started.)
         staging = _staging_dir(self.directory, step)
-        if self.is_main:
-            # A torn save of this step by a killed attempt. Safe to remove: no rank writes
-            # data before rank 0 has joined the save's planning, which comes after this.
-            shutil.rmtree(staging, ignore_errors=True)
         finish_args = (step, staging, dict(train_state), dict(metrics))
         if self.asynchronous:
             # async_save copies every tensor (CPU ones too) into its own CPU buffers
@@ -344,10 +359,7 @@ class Checkpointer:
         kept = [p for p in list_checkpoints(self.directory) if p.name != self._pinned_name]
         for old in kept[self.keep :]:
             shutil.rmtree(old, ignore_errors=True)
-        for torn in self.directory.iterdir():
-            match = _TMP_NAME.match(torn.name)
-            if match and int(match.group(1)) < step:
-                shutil.rmtree(torn, ignore_errors=True)
+        remove_torn_saves(self.directory, below=step)
 
     @property
     def _pinned_name(self) -> str | None:

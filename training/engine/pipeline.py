@@ -16,7 +16,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import pipelining
 
 from training.engine.timing import adds_seconds
 from training.errors import ConfigError
@@ -63,6 +62,10 @@ class Pipeline:
         group,
         device: torch.device,
     ) -> None:
+
+        # Here, not at the top: torch's pipelining imports TorchDynamo (~0.7 s of CPU), which
+        # every other layout, and every process that imports the engine, goes without.
+        from torch.distributed import pipelining
 
         self.parts, self.indices, self.stages, self.group = parts, indices, stages, group
         self.clock = ComputeClock()

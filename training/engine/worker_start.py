@@ -84,20 +84,54 @@ def start_method() -> str:
 def start_worker_server() -> None:
     """Start the forkserver now, where workers will start from it.
 
-    Where this process has the engine imported already, runs no other thread and has a
-    CPU-only torch (a stage forked from the stage host, flows/stage_host.py, on a machine
-    without GPUs), the server is a fork of it: ready at once, nothing imported twice.
-    Otherwise it is multiprocessing's own, a new interpreter that imports the engine while
-    this process goes on (the train stage opens its MLflow run meanwhile), instead of at
-    the first launch, with the launcher waiting."""
+    Where this process runs no other thread and has a CPU-only torch, the server is a
+    fork of it: in a stage forked from the stage host (flows/stage_host.py) the engine is
+    imported already; in a stage started cold (plain `dvc repro`, a node of a multi-node
+    job) this process imports it first, as it would for the job anyway. Nothing is
+    imported twice: a new interpreter for the server would import torch, the engine and
+    MLflow's store again (~5 s of CPU) beside this process importing most of them.
+    Otherwise (a CUDA build, another thread) it is multiprocessing's own, a new
+    interpreter that imports the engine while this process goes on, instead of at the
+    first launch, with the launcher waiting."""
     if start_method() != "forkserver":
         return
     import multiprocessing.forkserver as forkserver  # Unix only, as the method itself
 
+    if _may_fork_server(forkserver):
+        _import_preload()
     if _can_fork_server(forkserver):
         _fork_server(forkserver)
     else:
         forkserver.ensure_running()
+
+
+def _may_fork_server(forkserver) -> bool:
+    """Whether this process could serve forks once it has the engine imported."""
+    import threading
+
+    import torch
+
+    server = forkserver._forkserver
+    return (
+        set(vars(server)) == _FORKSERVER_STATE
+        and server._forkserver_pid is None
+        and threading.active_count() == 1  # a fork keeps no other thread, nor its locks
+        and _cpu_only(torch)
+    )
+
+
+def _import_preload() -> None:
+    import importlib
+
+    for module in PRELOAD:
+        importlib.import_module(module)
+
+
+def _cpu_only(torch) -> bool:
+    # A CUDA build's first device query (the config's, choosing nccl) marks every later
+    # fork unable to use CUDA, and nothing says whether it happened: there, the workers
+    # come from a new interpreter, as before.
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
 
 
 # multiprocessing's forkserver state as Python 3.11 to 3.13 keep it; a server is forked
@@ -113,27 +147,13 @@ _FORKSERVER_STATE = {
 
 
 def _can_fork_server(forkserver) -> bool:
-    import threading
-
-    import torch
-
-    server = forkserver._forkserver
-    return (
-        set(vars(server)) == _FORKSERVER_STATE
-        and server._forkserver_pid is None
-        and all(module in sys.modules for module in PRELOAD)
-        and threading.active_count() == 1  # a fork keeps no other thread, nor its locks
-        # A CUDA build's first device query (the config's, choosing nccl) marks every
-        # later fork unable to use CUDA, and nothing says whether it happened: there,
-        # the workers come from a new interpreter, as before.
-        and torch.version.cuda is None
-        and getattr(torch.version, "hip", None) is None
-    )
+    return _may_fork_server(forkserver) and all(module in sys.modules for module in PRELOAD)
 
 
 def _fork_server(forkserver) -> None:
     """What `ensure_running` does, with a fork of this process as the server: a listener
     only this user can reach, a liveness pipe every client holds, the server's loop."""
+    import gc
     import socket
     from multiprocessing import connection, resource_tracker
 
@@ -146,6 +166,10 @@ def _fork_server(forkserver) -> None:
             os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()
+            # As the stage host does before its forks: the server's and each worker's
+            # collector would otherwise walk, and so copy, every page of torch's and
+            # MLflow's objects, which a stage started cold has not frozen.
+            gc.freeze()
             pid = os.fork()
             if pid == 0:  # the server: serves until every client is gone, then exits
                 _serve_forks(forkserver, listener.fileno(), alive_r, alive_w)
