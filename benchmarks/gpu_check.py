@@ -129,7 +129,8 @@ def worker_server_forked() -> bool:
     """Start the workers' server as a train stage forked from the stage host does (this
     process imported the engine, runs one thread and asked for CUDA): whether it is a
     fork of this process. It must not be: CUDA's first query here marks every later
-    fork unable to use it. Every job below starts its CUDA workers from that server."""
+    fork unable to use it. Every job below starts its CUDA workers from that server.
+    (On a CPU-only torch it is a fork, as in every train stage there.)"""
     import multiprocessing.forkserver
 
     import training.engine.worker  # noqa: F401  (what the stage host preloads)
@@ -150,8 +151,11 @@ def main() -> None:
     if not args.cpu:
         assert torch.cuda.is_available(), "no CUDA device: this check is for a GPU machine"
     use_throwaway_signing_key()
-    forked = worker_server_forked()  # never on a CUDA build: its workers could not use CUDA
-    report("worker_server", not forked, "forked" if forked else "a new interpreter")
+    # Never a fork on a CUDA build (its workers could not use CUDA); on a CPU-only torch
+    # (the --cpu dry run here) the server is a fork of this process, as in a train stage.
+    forked = worker_server_forked()
+    expected = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+    report("worker_server", forked == expected, "forked" if forked else "a new interpreter")
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

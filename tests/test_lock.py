@@ -151,3 +151,46 @@ def test_a_new_run_waits_for_the_stragglers_of_a_killed_one(project) -> None:
     assert proc.returncode == 0, err
     assert "waiting for processes of an earlier run" in err
     assert time.monotonic() - killed_at > 3  # it waited for the straggler to end
+
+
+# Holds the project, forks a process that outlives it (as a stage started cold forks its
+# workers' server), prints the fork's pid and lets go.
+_FORKING_HOLDER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from training.lock import project_lock
+    with project_lock(Path(sys.argv[1])):
+        pid = os.fork()
+        if pid == 0:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)  # the caller reads the holder's output to its end
+            os.dup2(null, 2)
+            time.sleep(600)
+            os._exit(0)
+        print(pid, flush=True)
+    """
+)
+
+
+def test_a_fork_of_the_holder_keeps_the_runs_tree_but_not_the_project(project) -> None:
+    import fcntl
+
+    from training.lock import _is_locked, lock_file
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORKING_HOLDER, str(project)],
+        env=_env(), capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    fork = int(proc.stdout.strip())
+    try:
+        assert not _is_locked(lock_file(project))  # the holder is gone: the project is free
+        tree = os.open(project / ".gradline" / "lock.tree", os.O_RDWR)
+        try:
+            # ... but a next run waits for the fork, a process of the run still working.
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(tree, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(tree)
+    finally:
+        os.kill(fork, signal.SIGKILL)

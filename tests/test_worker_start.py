@@ -159,3 +159,44 @@ def test_a_worker_dies_with_its_launcher_however_it_was_started(tmp_path, method
     finally:  # never left behind, whatever the outcome
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signal.SIGKILL)
+
+
+# A train stage started cold, as far as its workers' server goes: it starts the server
+# (a fork of itself on a CPU-only torch), starts one process from it and prints the
+# server's, that process's and its own command line.
+COLD_STAGE = """
+import json, sys, time
+import multiprocessing.forkserver as forkserver
+import torch.multiprocessing as mp
+from training.engine.worker_start import start_worker_server
+start_worker_server()
+worker = mp.get_context("forkserver").Process(target=time.sleep, args=(60,))
+worker.start()
+def cmdline(pid):
+    return open(f"/proc/{pid}/cmdline", "rb").read().split(bytes(1))
+server = forkserver._forkserver._forkserver_pid
+print(json.dumps([[a.decode() for a in cmdline(p) if a] for p in (server, worker.pid, "self")]))
+worker.kill()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(sys.platform != "linux", reason="command lines through /proc")
+def test_a_cold_stages_server_and_workers_do_not_carry_its_command_line():
+    """`pkill -TERM -f "gradline stage train"` is how an operator stops a job at a
+    checkpoint: it must reach the stage, not the server forked from it or its workers."""
+    import torch
+
+    if torch.version.cuda is not None:  # (the server is a new interpreter there)
+        pytest.fail("this test is for the CPU-only torch the suite installs")
+    proc = subprocess.run(
+        [sys.executable, "-c", COLD_STAGE, "gradline", "stage", "train", "--shards", "data"],
+        cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    server, worker, stage = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stage[-5:] == ["gradline", "stage", "train", "--shards", "data"]
+    for forked in (server, worker):
+        assert forked[0].startswith("gradline-workers (server of pid"), forked
+        assert "stage" not in " ".join(forked), forked

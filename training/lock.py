@@ -33,6 +33,23 @@ from training.errors import GradlineError
 LOCK_ENV = "GRADLINE_PROJECT_LOCK"  # "<lock file>\t<token>" of the run a process belongs to
 _POLL_S = 0.5
 _held_here: dict[Path, int] = {}  # lock file -> depth, for nested holds in one process
+_exclusive_fds: set[int] = set()  # the descriptors of the locks this process took
+
+
+def _drop_exclusive_in_child() -> None:
+    """In a fork of the holder (a stage started cold forks its workers' server, and so
+    its workers, from itself): close the inherited descriptors of the exclusive lock, so
+    that a fork outliving the holder does not keep the project locked. The lock stays
+    the holder's (a flock goes with the last descriptor closed); the fork keeps the
+    run's tree lock shared, as every process of the run does, so a next run still
+    waits for it."""
+    for fd in _exclusive_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _exclusive_fds.clear()
+
+
+os.register_at_fork(after_in_child=_drop_exclusive_in_child)
 
 
 class ProjectLocked(GradlineError):
@@ -72,6 +89,7 @@ def project_lock(
 @contextlib.contextmanager
 def _top_level(path: Path, wait: bool, say: Callable[[str], None]) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    _exclusive_fds.add(fd)
     try:
         _acquire(fd, path, wait, say)
         tree = os.open(_tree_file(path), os.O_RDWR | os.O_CREAT, 0o644)
@@ -90,6 +108,7 @@ def _top_level(path: Path, wait: bool, say: Callable[[str], None]) -> Iterator[N
         finally:
             os.close(tree)
     finally:
+        _exclusive_fds.discard(fd)
         os.close(fd)  # releases the lock
 
 

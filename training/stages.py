@@ -91,7 +91,9 @@ def train_stage(
 
     project = Project(root)
     cfg = project.config(overrides)
-    start_worker_server()  # the workers' imports overlap this process's own set-up
+    # Now, not at the launch: a new interpreter as the server (CUDA builds) imports the
+    # engine beside this process's own set-up; a fork of this one is ready at once.
+    start_worker_server()
     from training.mlops.jobs import JobRequest, run_job
 
     request = JobRequest(

@@ -63,7 +63,7 @@ class Pipeline:
         device: torch.device,
     ) -> None:
 
-        # Here, not at the top: torch's pipelining imports TorchDynamo (~0.7 s of CPU), which
+        # Here, not at the top: torch's pipelining imports TorchDynamo (~0.4 s of CPU), which
         # every other layout, and every process that imports the engine, goes without.
         from torch.distributed import pipelining
 

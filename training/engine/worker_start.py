@@ -121,10 +121,13 @@ def _may_fork_server(forkserver) -> bool:
 
 
 def _import_preload() -> None:
+    """As multiprocessing's server does: a module that is not installed (MLflow, where
+    the engine runs without tracking) is skipped, and the server is then not a fork."""
     import importlib
 
     for module in PRELOAD:
-        importlib.import_module(module)
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
 
 
 def _cpu_only(torch) -> bool:
@@ -170,6 +173,7 @@ def _fork_server(forkserver) -> None:
             # collector would otherwise walk, and so copy, every page of torch's and
             # MLflow's objects, which a stage started cold has not frozen.
             gc.freeze()
+            _flush_output()  # or what is buffered would be written again by each fork
             pid = os.fork()
             if pid == 0:  # the server: serves until every client is gone, then exits
                 _serve_forks(forkserver, listener.fileno(), alive_r, alive_w)
@@ -185,8 +189,13 @@ def _serve_forks(forkserver, listener_fd: int, alive_r: int, alive_w: int) -> No
     import threading
     import traceback
 
+    from training.engine.process_title import set_process_title
+
     code = 1
     try:
+        # Not the stage's command line, which its workers and tracking helper would
+        # inherit too: `pkill -f "gradline stage train"` must reach the stage alone.
+        set_process_title(f"gradline-workers (server of pid {os.getppid()})")
         os.close(alive_w)
         # Held by the parent as it forked: a fresh one, as a new server would have.
         forkserver._forkserver._lock = threading.Lock()
@@ -251,6 +260,12 @@ def _same_file(a: int, b: int) -> bool:
     except OSError:
         return False
     return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
+
+
+def _flush_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
 
 
 def _flush(fd: int) -> None:
