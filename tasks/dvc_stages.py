@@ -175,10 +175,11 @@ def stop_stage(
 
 
 def _outermost_stages(tree: list[psutil.Process]) -> list[psutil.Process]:
-    """The `gradline stage` processes of the tree that no other one started: a stage
+    """The `gradline stage` processes of the tree that no other one started. A stage
     started without the stage host forks its workers' server, and so its workers, from
-    itself (training/engine/worker_start.py), and they carry its command line. The stop
-    request goes to the stage, which stops them at a checkpoint."""
+    itself (training/engine/worker_start.py); the server writes a command line of its
+    own over the stage's, where it can (Linux). Where it cannot, they would match too:
+    the stop request goes to the stage, which stops them at a checkpoint."""
     stages = [p for p in tree if _is_stage(p)]
     pids = {p.pid for p in stages}
     return [p for p in stages if _parent_pid(p) not in pids]

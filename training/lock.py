@@ -42,7 +42,8 @@ def _drop_exclusive_in_child() -> None:
     that a fork outliving the holder does not keep the project locked. The lock stays
     the holder's (a flock goes with the last descriptor closed); the fork keeps the
     run's tree lock shared, as every process of the run does, so a next run still
-    waits for it."""
+    waits for it. The fork still counts the project as held here (`project_lock` in it
+    is a no-op), as a process of the run."""
     for fd in _exclusive_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -108,8 +109,9 @@ def _top_level(path: Path, wait: bool, say: Callable[[str], None]) -> Iterator[N
         finally:
             os.close(tree)
     finally:
-        _exclusive_fds.discard(fd)
-        os.close(fd)  # releases the lock
+        if fd in _exclusive_fds:  # (not in a fork, where the at-fork hook closed it)
+            _exclusive_fds.discard(fd)
+            os.close(fd)  # releases the lock
 
 
 def _acquire(fd: int, path: Path, wait: bool, say: Callable[[str], None]) -> None:

@@ -35,6 +35,8 @@ def set_process_title(title: str) -> bool:
         if start <= 0 or end <= start:
             return False
         room = end - start
+        if len(Path("/proc/self/cmdline").read_bytes()) != room:
+            return False  # not the layout described above: leave it alone
         encoded = title.encode(errors="replace")[: room - 1]
         ctypes.memmove(start, encoded + bytes(room - len(encoded)), room)
         return True
