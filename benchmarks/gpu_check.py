@@ -30,6 +30,7 @@ from training.config import Config, DataConfig, ShardConfig
 from training.data.ingest import ingest
 from training.data.shards import write_shards
 from training.engine.checkpoint import list_checkpoints, verify
+from training.engine.worker_start import cpu_only_torch
 from training.errors import GradlineError
 from training.mlops.jobs import JobRequest, run_job
 
@@ -154,7 +155,7 @@ def main() -> None:
     # Never a fork on a CUDA build (its workers could not use CUDA); on a CPU-only torch
     # (the --cpu dry run here) the server is a fork of this process, as in a train stage.
     forked = worker_server_forked()
-    expected = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+    expected = cpu_only_torch(torch)
     report("worker_server", forked == expected, "forked" if forked else "a new interpreter")
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -116,7 +116,7 @@ def _may_fork_server(forkserver) -> bool:
         set(vars(server)) == _FORKSERVER_STATE
         and server._forkserver_pid is None
         and threading.active_count() == 1  # a fork keeps no other thread, nor its locks
-        and _cpu_only(torch)
+        and cpu_only_torch(torch)
     )
 
 
@@ -130,7 +130,7 @@ def _import_preload() -> None:
             importlib.import_module(module)
 
 
-def _cpu_only(torch) -> bool:
+def cpu_only_torch(torch) -> bool:
     # A CUDA build's first device query (the config's, choosing nccl) marks every later
     # fork unable to use CUDA, and nothing says whether it happened: there, the workers
     # come from a new interpreter, as before.
@@ -263,9 +263,8 @@ def _same_file(a: int, b: int) -> bool:
 
 
 def _flush_output() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            stream.flush()
+    for fd in (1, 2):
+        _flush(fd)
 
 
 def _flush(fd: int) -> None:
