@@ -18,7 +18,10 @@ command:
   exits with the fork's exit code. DVC, `dvc.lock` and the flow see the same command.
 - the flow's `dvc ...` commands (`training.mlops.dvc_cli.dvc_process`) are forks of the
   host too, used as a `subprocess.Popen` is. The host loads DVC first and serves them
-  at once; it loads the rest between requests and holds stage commands until then.
+  at once; it loads the rest between requests, in phases: what every stage imports,
+  then what training and evaluation import besides, then what later commands import.
+  A stage command is held until the phases it needs are loaded (ingest and shard need
+  only the first: the rest loads while they run).
 - No host (plain `dvc repro`, a host that is gone): each command runs itself.
 
 A fork dies with the command that asked for it (the host kills it when the command's
@@ -44,6 +47,7 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from flows.process_end import end_process
@@ -77,12 +81,13 @@ DVC_PRELOAD = (
     "ruamel.yaml",
 )
 # What the stages import that costs time; the rest they import themselves, cheaply.
+# First what every stage imports (ingest and shard need no more: DATA_STAGES), then
+# what training and evaluation import besides (torch, the engine). A stage waits for
+# what it needs only: the rest loads on another core while ingest and shard run.
 PRELOAD = (
-    "torch",
     "pyarrow",
     "pandas",
     "mlflow",
-    "mlflow.pyfunc",
     "mlflow.store.tracking.sqlalchemy_store",
     "mlflow.store.model_registry.sqlalchemy_store",
     "git",  # MLflow reads the source's commit with it
@@ -95,15 +100,60 @@ PRELOAD = (
     "training.data.ingest",
     "training.data.shards",
     "training.mlops.drift",
-    "training.mlops.jobs",
     "training.mlops.runs",
     "training.mlops.sync",
+    "flows.cli",  # what the stages run through (the entry point, flows/command.py, is light)
+)
+DATA_STAGES = ("ingest", "shard")
+MODEL_PRELOAD = (
+    "torch",
+    "mlflow.pyfunc",
+    "training.mlops.jobs",
     "training.engine.worker_start",
     "training.engine.worker",  # the workers' forkserver is then a fork of the stage
+    "torch._dynamo",  # the rest of that server's preload (training.engine.worker_start)
     "training.evaluation",
     "training.models.folder",
     "training.plots",
-    "flows.cli",  # what the stages run through (the entry point, flows/command.py, is light)
+)
+# What later commands import beyond the above, loaded last, between requests and while
+# the first stages run; no command waits for these (one that starts before they are
+# loaded imports what it needs itself, as it would without a host). Small ones only: a
+# request waits for the import under way.
+LATER_PRELOAD = (
+    # What train imports besides: the agent's rendezvous, MLflow's SQLite dialect and its
+    # model logging's tracing, and the checkpoint reader consolidation uses.
+    "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    "torch.distributed.checkpoint._fsspec_filesystem",
+    "multiprocessing.popen_forkserver",
+    "sqlalchemy.dialects.sqlite",
+    "mlflow.tracing.processor.otel",
+    "mlflow.tracing.processor.base_mlflow",
+    "pyarrow.pandas_compat",
+    # The rest of what DVC's repro, status and push import (~0.03 s each command).
+    "dvc.repo.index",
+    "dvc.repo.open_repo",
+    "dvc.repo.stage",
+    "dvc.repo.plots",
+    "dvc.repo.metrics",
+    "dvc.repo.params",
+    "dvc.repo.artifacts",
+    "dvc.repo.datasets",
+    "dvc.repo.worktree",
+    "dvc.repo.brancher",
+    "dvc.data_cloud",
+    "dvc.cachemgr",
+    "dvc.rwlock",
+    "dvc.utils.strictyaml",
+    "dvc_data.index.push",
+    "dvc_data.index.fetch",
+    "dvc_data.hashfile.status",
+    "dvc_data.hashfile.db.index",
+    "dvc_render.vega",
+    "dvc_render.html",
+    "dulwich.index",
+    "configobj",
+    "platformdirs",
 )
 COMMANDS = ("stage", "dvc")  # `gradline stage ...` and `dvc ...`: all the host runs
 
@@ -153,21 +203,27 @@ def stop_host(host: subprocess.Popen) -> None:
 # --- the host --------------------------------------------------------------------------
 
 
+@dataclass
+class Preload:
+    """Steps the host takes between requests, and which stages wait until they are done
+    (a stage forked earlier would import it all again itself)."""
+
+    steps: collections.deque[Callable[[], None]]
+    holds: Callable[[str], bool]  # the stage's name -> whether it waits
+
+
 class _Host:
     """Accepts requests on `listener`, forks one process per request, and tells each
     command its fork's pid and, at the end, how the fork ended. It serves DVC commands
-    at once; between requests it goes on with `preload`, one step at a time, and holds
-    stage commands until that is done (a stage forked earlier would import it all
-    again itself)."""
+    at once; between requests it goes on with the preloads, one step at a time, in
+    order, and holds each stage command until those it waits for are done."""
 
-    def __init__(
-        self, listener: socket.socket, owner: int, preload: Iterable[Callable[[], None]]
-    ) -> None:
+    def __init__(self, listener: socket.socket, owner: int, preloads: list[Preload]) -> None:
         self.listener = listener
         self.selector = selectors.DefaultSelector()
         self.forks: dict[int, socket.socket] = {}  # pid -> the command's connection
-        self.preload = collections.deque(preload)
-        self.held: list[tuple[socket.socket, dict, list[int]]] = []  # stages waiting for it
+        self.preloads = preloads
+        self.held: list[tuple[socket.socket, dict, list[int]]] = []  # stages waiting
         self.stopping = False
         wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_write, False)
@@ -190,10 +246,11 @@ class _Host:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner decides when we stop
         while not self.stopping:
-            for key, _ in self.selector.select(timeout=0 if self.preload else 1.0):
+            busy = any(preload.steps for preload in self.preloads)
+            for key, _ in self.selector.select(timeout=0 if busy else 1.0):  # a look only
                 self._on_event(key)
             self._reap()
-            if self.preload:
+            if busy:
                 self._preload_next()
             if self.polled_owner is not None and os.getppid() != self.polled_owner:
                 self.stopping = True
@@ -205,11 +262,22 @@ class _Host:
         self.stopping = True
 
     def _preload_next(self) -> None:
-        self.preload.popleft()()
-        if not self.preload:
-            held, self.held = self.held, []
-            for conn, request, streams in held:
-                self._fork(conn, request, streams)
+        next(preload for preload in self.preloads if preload.steps).steps.popleft()()
+        held, self.held = self.held, []
+        for conn, request, streams in held:
+            self._start_or_hold(conn, request, streams)
+
+    def _waits(self, argv: list[str]) -> bool:
+        if argv[0] != "stage":
+            return False
+        stage = argv[1] if len(argv) > 1 else ""
+        return any(preload.steps and preload.holds(stage) for preload in self.preloads)
+
+    def _start_or_hold(self, conn: socket.socket, request: dict, streams: list[int]) -> None:
+        if self._waits(request["argv"]):
+            self.held.append((conn, request, streams))
+        else:
+            self._fork(conn, request, streams)
 
     def _on_event(self, key: selectors.SelectorKey) -> None:
         if key.data == "accept":
@@ -233,10 +301,7 @@ class _Host:
                 conn.sendall(f"refused {exc}\n".encode())
             conn.close()
             return
-        if request["argv"][0] == "stage" and self.preload:
-            self.held.append((conn, request, streams))
-        else:
-            self._fork(conn, request, streams)
+        self._start_or_hold(conn, request, streams)
 
     def _fork(self, conn: socket.socket, request: dict, streams: list[int]) -> None:
         # The fork's garbage collector would walk every object of the host (torch's,
@@ -407,10 +472,18 @@ _MAIN: Callable[[list[str]], int] | None = None
 
 
 def preload_steps(modules: Iterable[str]) -> list[Callable[[], None]]:
-    """One step per module to import, then the last steps for the stages (`gradline`'s
-    entry point, MLflow's package map)."""
-    imports = [lambda m=module: _import_keeping_logging(m) for module in modules]
-    return [*imports, _command_main, _warm_mlflow_package_map, _remember_mlflow_schema_head]
+    """One step per module to import, then the last steps every stage needs (`gradline`'s
+    entry point, MLflow's newest schema revision)."""
+    return [*import_steps(modules), _command_main, _remember_mlflow_schema_head]
+
+
+def model_steps(modules: Iterable[str]) -> list[Callable[[], None]]:
+    """One step per module to import, then MLflow's package map (logging a model)."""
+    return [*import_steps(modules), _warm_mlflow_package_map]
+
+
+def import_steps(modules: Iterable[str]) -> list[Callable[[], None]]:
+    return [lambda m=module: _import_keeping_logging(m) for module in modules]
 
 
 def _import_keeping_logging(module: str) -> None:
@@ -465,7 +538,15 @@ def main() -> None:
     listener = socket.socket(fileno=listener_fd)
     for module in DVC_PRELOAD:  # ~0.3 s: the flow's first `dvc` command may be waiting
         _import_keeping_logging(module)
-    _Host(listener, owner, preload_steps(PRELOAD)).serve()
+    preloads = [
+        Preload(collections.deque(preload_steps(PRELOAD)), holds=lambda stage: True),
+        Preload(
+            collections.deque(model_steps(MODEL_PRELOAD)),
+            holds=lambda stage: stage not in DATA_STAGES,
+        ),
+        Preload(collections.deque(import_steps(LATER_PRELOAD)), holds=lambda stage: False),
+    ]
+    _Host(listener, owner, preloads).serve()
     _remove_socket(listener)
     os._exit(0)  # nothing to flush or close: skip tearing down torch and MLflow (~1 s)
 

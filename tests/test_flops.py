@@ -11,6 +11,7 @@ from torch import nn
 from training.engine.flops import (
     Throughput,
     cpu_peak_flops,
+    cpu_probe_side,
     device_peak_flops,
     gpu_peak_tflops,
     training_flops_per_sample,
@@ -79,6 +80,13 @@ def test_the_cpu_peak_is_measured_and_an_override_wins() -> None:
     measured = cpu_peak_flops()
     assert 1e8 < measured < 1e13  # a real host's matmul rate, per rank's threads
     assert device_peak_flops(torch.device("cpu"), False, 2.5) == 2.5e12
+
+
+def test_the_cpu_probe_grows_with_the_threads() -> None:
+    sides = [cpu_probe_side(threads) for threads in (1, 2, 4, 8, 16, 64)]
+    assert sides[0] == 384 and sides == sorted(sides)
+    assert all(side % 128 == 0 for side in sides)
+    assert sides[3] ** 3 >= 6 * 384**3  # 8 threads: about 8 times the work of one
 
 
 def test_an_interval_turns_samples_per_second_into_tokens_and_mfu() -> None:

@@ -266,3 +266,54 @@ print("ok")
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_a_stage_waits_only_for_the_preload_phases_it_needs(tmp_path, monkeypatch) -> None:
+    """Ingest and shard start once what every stage imports is loaded; train waits for
+    torch and the engine too; a `dvc` command waits for nothing; the last phase holds
+    no stage. Held stages start as soon as their phases are done, in the order asked."""
+    import collections
+    import socket
+
+    from flows import stage_host
+
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tmp_path / "host.sock"))
+    done: list[str] = []
+
+    def steps(phase: str, count: int):
+        return collections.deque(lambda n=n: done.append(f"{phase}{n}") for n in range(count))
+
+    host = stage_host._Host(
+        listener,
+        os.getpid(),
+        [
+            stage_host.Preload(steps("every", 2), holds=lambda stage: True),
+            stage_host.Preload(
+                steps("model", 2), holds=lambda stage: stage not in stage_host.DATA_STAGES
+            ),
+            stage_host.Preload(steps("later", 2), holds=lambda stage: False),
+        ],
+    )
+    started: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(
+        host,
+        "_fork",
+        lambda conn, request, streams: started.append((request["argv"][1], list(done))),
+    )
+    for argv in (["stage", "train"], ["stage", "ingest"], ["dvc", "status"]):
+        host._start_or_hold(None, {"argv": argv}, [])
+    assert started == [("status", [])]  # DVC at once
+    while any(preload.steps for preload in host.preloads):
+        host._preload_next()
+    assert started == [
+        ("status", []),
+        ("ingest", ["every0", "every1"]),
+        ("train", ["every0", "every1", "model0", "model1"]),
+    ]
+    assert done[-2:] == ["later0", "later1"]
+    assert not host.held
+    host._start_or_hold(None, {"argv": ["stage", "evaluate"]}, [])  # all loaded: at once
+    assert started[-1][0] == "evaluate"
+    host.selector.close()
+    listener.close()

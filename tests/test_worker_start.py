@@ -200,3 +200,40 @@ def test_a_cold_stages_server_and_workers_do_not_carry_its_command_line():
     for forked in (server, worker):
         assert forked[0].startswith("gradline-workers (server of pid"), forked
         assert "stage" not in " ".join(forked), forked
+
+
+# A worker's first steps, in a process that imported what the server preloads.
+WORKER_IMPORTS = """
+import importlib, sys
+from training.engine.worker_start import PRELOAD
+for module in PRELOAD:
+    importlib.import_module(module)
+before = set(sys.modules)
+import torch
+from training.engine.state import make_optimizer
+from training.config import Config
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+optimizer = make_optimizer(list(model.parameters()), Config().optim)
+model(torch.randn(4, 8)).sum().backward()
+optimizer.step()
+optimizer.zero_grad()
+compiler = ("torch._dynamo", "torch._inductor")
+print(sorted(m for m in set(sys.modules) - before if m.startswith(compiler)))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_worker_imports_no_compiler_of_its_own() -> None:
+    # torch's optimizers import TorchDynamo as they are built (~0.35 s of CPU): in the
+    # server's preload, not in every worker of every attempt.
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER_IMPORTS], capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_stage_host_preloads_what_the_workers_server_does() -> None:
+    from flows.stage_host import MODEL_PRELOAD, PRELOAD
+
+    assert set(worker_start.PRELOAD) <= {*PRELOAD, *MODEL_PRELOAD}

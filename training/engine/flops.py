@@ -40,8 +40,15 @@ GPU_PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("T4", {"fp16": 65.0, "fp32": 8.1}),
 )
 
-# The CPU matmul that measures a host's peak: big enough to reach it, about 0.1 s.
-CPU_PROBE_SIZE, CPU_PROBE_REPEATS = 768, 4
+# The CPU matmul that measures a host's peak: a product of side 384 per thread's worth of
+# work reaches it (sides 256 to 1024 measured the same peak here, on 1 and 2 threads) in
+# about 2 ms; the best of a few. Every job measures it as it starts, so it is kept short.
+CPU_PROBE_SIDE, CPU_PROBE_REPEATS = 384, 6
+
+
+def cpu_probe_side(threads: int) -> int:
+    """The side of the probe's matrices: its work (side^3) grows with the threads."""
+    return max(CPU_PROBE_SIDE, round(CPU_PROBE_SIDE * threads ** (1 / 3) / 128) * 128)
 
 
 def gpu_peak_tflops(name: str, dtype: str) -> float | None:
@@ -55,15 +62,16 @@ def gpu_peak_tflops(name: str, dtype: str) -> float | None:
 def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> float:
     """FLOP/s of square matmuls on this process's torch threads: the best of a few, so
     a moment of contention does not lower it (a busy host lowers MFU, not the peak)."""
-    a = torch.randn(CPU_PROBE_SIZE, CPU_PROBE_SIZE, dtype=dtype)
-    b = torch.randn(CPU_PROBE_SIZE, CPU_PROBE_SIZE, dtype=dtype)
+    side = cpu_probe_side(torch.get_num_threads())
+    a = torch.randn(side, side, dtype=dtype)
+    b = torch.randn(side, side, dtype=dtype)
     a @ b  # warm-up: first-call allocations and kernel choice
     best = float("inf")
     for _ in range(CPU_PROBE_REPEATS):
         started = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - started)
-    return 2 * CPU_PROBE_SIZE**3 / best
+    return 2 * side**3 / best
 
 
 def matmul_dtype(device: torch.device, bf16: bool) -> str:

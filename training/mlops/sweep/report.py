@@ -134,7 +134,7 @@ def write_plots(study: optuna.Study, folder: Path, metric: str) -> list[Path]:
     """The figures the study has enough trials for (none before a trial completed)."""
     import matplotlib
 
-    matplotlib.use("Agg")  # off-screen, as training/plots.py draws
+    matplotlib.use("Agg")  # off-screen: Optuna draws through pyplot
     from optuna.visualization import matplotlib as figures
 
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
