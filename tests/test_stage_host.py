@@ -317,3 +317,20 @@ def test_a_stage_waits_only_for_the_preload_phases_it_needs(tmp_path, monkeypatc
     assert started[-1][0] == "evaluate"
     host.selector.close()
     listener.close()
+
+
+def test_every_module_the_host_preloads_is_installed() -> None:
+    """A preload step skips a module it cannot import (the command that needs it says
+    so), so a misspelt or renamed module would cost its import in every command
+    silently: each name must resolve."""
+    import importlib.util
+
+    from flows import stage_host
+
+    names = (
+        *stage_host.DVC_PRELOAD,
+        *stage_host.PRELOAD,
+        *stage_host.MODEL_PRELOAD,
+        *stage_host.LATER_PRELOAD,
+    )
+    assert [name for name in names if importlib.util.find_spec(name) is None] == []
