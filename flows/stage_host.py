@@ -478,8 +478,10 @@ def preload_steps(modules: Iterable[str]) -> list[Callable[[], None]]:
 
 
 def model_steps(modules: Iterable[str]) -> list[Callable[[], None]]:
-    """One step per module to import, then MLflow's package map (logging a model)."""
-    return [*import_steps(modules), _warm_mlflow_package_map]
+    """MLflow's package map (logging a model), then one step per module to import. The
+    map is the longest step (~0.8 s): first, rather than last, it is less likely to be
+    under way when the flow's first `dvc` command asks, which then waits for it."""
+    return [_warm_mlflow_package_map, *import_steps(modules)]
 
 
 def import_steps(modules: Iterable[str]) -> list[Callable[[], None]]:
