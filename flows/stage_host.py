@@ -224,6 +224,7 @@ class _Host:
         self.forks: dict[int, socket.socket] = {}  # pid -> the command's connection
         self.preloads = preloads
         self.held: list[tuple[socket.socket, dict, list[int]]] = []  # stages waiting
+        self.releasing: list[tuple[socket.socket, dict, list[int]]] = []  # about to start
         self.stopping = False
         wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_write, False)
@@ -262,10 +263,19 @@ class _Host:
         self.stopping = True
 
     def _preload_next(self) -> None:
-        next(preload for preload in self.preloads if preload.steps).steps.popleft()()
-        held, self.held = self.held, []
-        for conn, request, streams in held:
-            self._start_or_hold(conn, request, streams)
+        step = next(preload for preload in self.preloads if preload.steps).steps.popleft()
+        try:
+            step()
+        except Exception as exc:  # a step only saves time: the stages go on without it
+            # Stages forked from the host may be running: the host must not end under
+            # them. A command that needs what failed meets the failure itself.
+            print(f"gradline stage host: a preload step failed ({exc!r})", file=sys.stderr)
+        # Those released now leave `held` for `releasing`, where a fork made meanwhile
+        # still sees them and closes its copies (`_let_go`).
+        self.releasing = [entry for entry in self.held if not self._waits(entry[1]["argv"])]
+        self.held = [entry for entry in self.held if self._waits(entry[1]["argv"])]
+        while self.releasing:
+            self._fork(*self.releasing.pop(0))
 
     def _waits(self, argv: list[str]) -> bool:
         if argv[0] != "stage":
@@ -324,7 +334,7 @@ class _Host:
         """In a fork: close what the host holds (the listener, the other commands'
         connections, its wake-up pipe), so that nothing of the host's lives on in it."""
         signal.set_wakeup_fd(-1)
-        for conn, _, streams in self.held:
+        for conn, _, streams in self.others_waiting():
             conn.close()
             for fd in streams:
                 os.close(fd)
@@ -335,6 +345,10 @@ class _Host:
                 os.close(key.fd)
         self.selector.close()
         os.close(self.wake_write)
+
+    def others_waiting(self) -> list[tuple[socket.socket, dict, list[int]]]:
+        """The requests not started yet (held, or released but not forked yet)."""
+        return [*self.held, *self.releasing]
 
     def _reap(self) -> None:
         while self.forks:
@@ -431,7 +445,11 @@ def _die_with_the_host() -> None:
 
 def _adopt_thread_count(environ: dict[str, str]) -> None:
     """The OpenMP runtime read OMP_NUM_THREADS when the host imported torch: a stage
-    asked for another count gets it set here, as a fresh process would have."""
+    asked for another count gets it set here, as a fresh process would have. A stage
+    forked before the host imported torch (ingest, shard) imports it, if at all, with
+    its own environment already."""
+    if "torch" not in sys.modules:
+        return
     wanted = environ.get("OMP_NUM_THREADS", "")
     if wanted != _HOST_THREADS_ENV and wanted.isdigit() and int(wanted) > 0:
         import torch
@@ -493,10 +511,13 @@ def _import_keeping_logging(module: str) -> None:
     configures the root logger would silence the commands' own lines)."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    with contextlib.suppress(ImportError):  # a command that needs it will say so
+    try:
         __import__(module)
-    root.handlers[:] = handlers
-    root.setLevel(level)
+    except ImportError:  # not installed: a command that needs it will say so
+        pass
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 def _warm_mlflow_package_map() -> None:

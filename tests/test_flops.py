@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from training.engine import flops
 from training.engine.flops import (
     Throughput,
     cpu_peak_flops,
@@ -87,6 +88,18 @@ def test_the_cpu_probe_grows_with_the_threads() -> None:
     assert sides[0] == 384 and sides == sorted(sides)
     assert all(side % 128 == 0 for side in sides)
     assert sides[3] ** 3 >= 6 * 384**3  # 8 threads: about 8 times the work of one
+
+
+def test_the_cpu_peak_is_measured_with_a_probe_for_this_process_s_threads(monkeypatch) -> None:
+    asked: list[int] = []
+
+    def side(threads: int) -> int:
+        asked.append(threads)
+        return 64
+
+    monkeypatch.setattr(flops, "cpu_probe_side", side)
+    assert cpu_peak_flops() > 0
+    assert asked == [torch.get_num_threads()]
 
 
 def test_an_interval_turns_samples_per_second_into_tokens_and_mfu() -> None:

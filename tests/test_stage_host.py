@@ -268,25 +268,42 @@ print("ok")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
-def test_a_stage_waits_only_for_the_preload_phases_it_needs(tmp_path, monkeypatch) -> None:
-    """Ingest and shard start once what every stage imports is loaded; train waits for
-    torch and the engine too; a `dvc` command waits for nothing; the last phase holds
-    no stage. Held stages start as soon as their phases are done, in the order asked."""
-    import collections
+def _host_with(tmp_path, preloads):
     import socket
 
     from flows import stage_host
 
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(tmp_path / "host.sock"))
+    host = stage_host._Host(listener, os.getpid(), preloads)
+    return host, listener
+
+
+def _close(host, listener) -> None:
+    for key in list(host.selector.get_map().values()):
+        if key.fileobj is not listener:
+            os.close(key.fd)
+    host.selector.close()
+    os.close(host.wake_write)
+    listener.close()
+
+
+def test_a_stage_waits_only_for_the_preload_phases_it_needs(tmp_path, monkeypatch) -> None:
+    """Ingest and shard start once what every stage imports is loaded; train waits for
+    torch and the engine too; a `dvc` command waits for nothing; the last phase holds
+    no stage. Held stages start as soon as their phases are done, in the order asked,
+    and each fork still sees the requests not started yet (to close its copies)."""
+    import collections
+
+    from flows import stage_host
+
     done: list[str] = []
 
     def steps(phase: str, count: int):
         return collections.deque(lambda n=n: done.append(f"{phase}{n}") for n in range(count))
 
-    host = stage_host._Host(
-        listener,
-        os.getpid(),
+    host, listener = _host_with(
+        tmp_path,
         [
             stage_host.Preload(steps("every", 2), holds=lambda stage: True),
             stage_host.Preload(
@@ -295,34 +312,65 @@ def test_a_stage_waits_only_for_the_preload_phases_it_needs(tmp_path, monkeypatc
             stage_host.Preload(steps("later", 2), holds=lambda stage: False),
         ],
     )
-    started: list[tuple[str, list[str]]] = []
-    monkeypatch.setattr(
-        host,
-        "_fork",
-        lambda conn, request, streams: started.append((request["argv"][1], list(done))),
-    )
-    for argv in (["stage", "train"], ["stage", "ingest"], ["dvc", "status"]):
+    started: list[tuple[str, list[str], list[str]]] = []
+
+    def fork(conn, request, streams) -> None:
+        waiting = [entry[1]["argv"][1] for entry in host.others_waiting()]
+        started.append((request["argv"][1], list(done), waiting))
+
+    monkeypatch.setattr(host, "_fork", fork)
+    for argv in (["stage", "train"], ["stage", "ingest"], ["stage", "shard"], ["dvc", "status"]):
         host._start_or_hold(None, {"argv": argv}, [])
-    assert started == [("status", [])]  # DVC at once
+    assert started == [("status", [], ["train", "ingest", "shard"])]  # DVC at once
     while any(preload.steps for preload in host.preloads):
         host._preload_next()
-    assert started == [
-        ("status", []),
-        ("ingest", ["every0", "every1"]),
-        ("train", ["every0", "every1", "model0", "model1"]),
+    every, model = ["every0", "every1"], ["every0", "every1", "model0", "model1"]
+    assert started[1:] == [
+        ("ingest", every, ["train", "shard"]),  # shard: released, not forked yet
+        ("shard", every, ["train"]),
+        ("train", model, []),
     ]
     assert done[-2:] == ["later0", "later1"]
-    assert not host.held
+    assert not host.others_waiting()
     host._start_or_hold(None, {"argv": ["stage", "evaluate"]}, [])  # all loaded: at once
     assert started[-1][0] == "evaluate"
-    host.selector.close()
-    listener.close()
+    _close(host, listener)
+
+
+def test_a_failing_preload_step_leaves_the_host_serving(tmp_path, monkeypatch, capfd) -> None:
+    """A step that raises (an import failing with something other than ImportError)
+    must not end the host: stages forked from it may be running, and they die with it."""
+    import collections
+
+    from flows import stage_host
+
+    done: list[str] = []
+
+    def broken() -> None:
+        raise RuntimeError("a module that fails as it is imported")
+
+    host, listener = _host_with(
+        tmp_path,
+        [
+            stage_host.Preload(
+                collections.deque([broken, lambda: done.append("next")]), holds=lambda s: True
+            )
+        ],
+    )
+    started: list[str] = []
+    monkeypatch.setattr(host, "_fork", lambda conn, request, streams: started.append("train"))
+    host._start_or_hold(None, {"argv": ["stage", "train"]}, [])
+    host._preload_next()
+    host._preload_next()
+    assert done == ["next"] and started == ["train"]
+    assert "a preload step failed" in capfd.readouterr().err
+    _close(host, listener)
 
 
 def test_every_module_the_host_preloads_is_installed() -> None:
-    """A preload step skips a module it cannot import (the command that needs it says
-    so), so a misspelt or renamed module would cost its import in every command
-    silently: each name must resolve."""
+    """A preload step skips a module that is not installed (the command that needs it
+    says so), so a misspelt or renamed module would cost its import in every command
+    silently: each name must resolve to an installed module."""
     import importlib.util
 
     from flows import stage_host
