@@ -63,8 +63,8 @@ class Pipeline:
         device: torch.device,
     ) -> None:
 
-        # Here, not at the top: torch's pipelining imports TorchDynamo (~0.4 s of CPU), which
-        # every other layout, and every process that imports the engine, goes without.
+        # Here, not at the top: only a pipeline needs it. (It imports TorchDynamo, which the
+        # workers' server preloads anyway: torch's optimizers import it as they are built.)
         from torch.distributed import pipelining
 
         self.parts, self.indices, self.stages, self.group = parts, indices, stages, group
