@@ -23,6 +23,10 @@ from .test_multinode import Cluster, _finish, _node_flags
 
 SECRET = b"s3cret-for-tests"
 
+# Steps after the first checkpoint (step 8 of 39) take 0.25 s: the forgeries land while
+# the job still has ~7 s of steps to poll them in, however fast its start on this host.
+SLOW_AFTER_FIRST_CHECKPOINT = "slow:rank=-1:step=8:seconds=0.25"
+
 
 def test_a_signed_record_verifies_and_any_change_is_refused() -> None:
     signer = Signer.open(SECRET, "job-a")
@@ -67,10 +71,12 @@ def test_a_multi_node_job_without_the_secret_fails_before_it_serves_anything(
         dist.TCPStore("127.0.0.1", int(endpoint.split(":")[1]), timeout=timedelta(seconds=1))
 
 
-def _forger(endpoint: str, job_id: str) -> dist.Store:
-    """A plain store client, as anyone who reaches the port can make, in the job's keys."""
+def _forger(endpoint: str, job_id: str, connect_s: float = 10) -> dist.Store:
+    """A plain store client, as anyone who reaches the port can make, in the job's keys.
+    It gives up connecting after `connect_s`; its reads and writes wait up to 10 s."""
     host, port = endpoint.rsplit(":", 1)
-    raw = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    raw = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=connect_s))
+    raw.set_timeout(timedelta(seconds=10))
     return dist.PrefixStore(f"gradline/{job_id}", raw)
 
 
@@ -196,7 +202,7 @@ def test_a_client_without_the_secret_cannot_stop_stall_or_redirect_a_job(
     cluster = Cluster(tmp_path, tiny_shards)
     endpoint, job_id = f"127.0.0.1:{free_port()}", "forged"
     flags = _node_flags("2", endpoint, job_id)
-    env = {SECRET_ENV: secrets.token_hex(32), "GRADLINE_FAULT": "slow:rank=-1:step=0:seconds=0.1"}
+    env = {SECRET_ENV: secrets.token_hex(32), "GRADLINE_FAULT": SLOW_AFTER_FIRST_CHECKPOINT}
     folders = [cluster.node("node-a"), cluster.node("node-b")]
     procs = [cluster.start(folder, *flags, **env) for folder in folders]
     forger = _wait_for_store(endpoint, job_id, procs)
@@ -226,13 +232,16 @@ def test_a_client_without_the_secret_cannot_stop_stall_or_redirect_a_job(
 
 
 def _wait_for_store(endpoint: str, job_id: str, procs) -> dist.Store:
+    """The forger's client, as soon as the job's store listens. Short connection attempts:
+    one long attempt (the client backs off for longer than its timeout between tries) can
+    outlast a whole short job on a loaded host."""
     deadline = time.monotonic() + 180
     while True:
         try:
-            return _forger(endpoint, job_id)
+            return _forger(endpoint, job_id, connect_s=1)
         except (RuntimeError, OSError):
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
-            time.sleep(0.5)
+            time.sleep(0.2)
 
 
 def test_a_multi_node_run_without_the_secret_is_refused_before_any_stage(
