@@ -174,7 +174,7 @@ def test_a_one_node_job_listens_on_loopback_only(tiny_shards, tmp_path) -> None:
     cluster = Cluster(tmp_path, tiny_shards)
     folder = cluster.node("node", procs_per_node=2)
     slow = {"GRADLINE_FAULT": "slow:rank=-1:step=0:seconds=0.1"}
-    proc = cluster.start(folder, **slow)
+    proc = cluster.start(folder, hosted=False, **slow)  # its own process tree
     seen: set[tuple[str, int]] = set()
     deadline = time.monotonic() + 300  # the first checkpoint, on a loaded 2-core host
     # Watch until checkpoints are written: the launcher's store, the workers' store and

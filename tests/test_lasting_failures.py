@@ -23,10 +23,12 @@ import pytest
 from training.config import update_params_file
 from training.engine.checkpoint import list_checkpoints, verify
 from training.errors import USER_ERROR_EXIT_CODE, DiskFull, as_user_error, is_retryable
+from training.host_client import STAGE_HOST_ENV
 from training.mlops.tracking import client, ensure_experiment
 
 from .conftest import REPO
 from .resume_checks import Resumed, assert_resumed
+from .servers import SharedStageHost
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
 
@@ -72,7 +74,8 @@ def test_a_batch_larger_than_the_data_fails_before_any_worker_or_run(tiny_shards
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     train = [GRADLINE, "stage", "train", "--shards", "shards", "--model", "model"]
     train += ["--checkpoints", str(tmp_path / "ck"), "--result", "result.json"]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking}
+    # Run as `gradline run` runs stages: a fork of the stage host (tests/servers.py).
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking, STAGE_HOST_ENV: SharedStageHost.socket()}
     done = subprocess.run(train, cwd=project, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == USER_ERROR_EXIT_CODE, done.stderr[-3000:]
     assert "fewer than one global batch (1000000); lower train.batch_size" in done.stderr

@@ -25,6 +25,7 @@ from training.config import Config, update_params_file
 from training.engine.launch import free_port
 from training.engine.signing import SECRET_ENV
 from training.errors import PREEMPTED_EXIT_CODE, ConfigError
+from training.host_client import STAGE_HOST_ENV
 from training.mlops.runs import check_checkpoint_location
 from training.mlops.tracking import client, ensure_experiment
 from training.models.folder import load_model_dir
@@ -37,6 +38,7 @@ from .resume_checks import (
     resumes_of,
     stopped_steps,
 )
+from .servers import SharedStageHost
 from .test_deploy_recipes import FAKE_SCONTROL, FAKE_SRUN, SBATCH
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -81,7 +83,13 @@ class Cluster:
         shutil.copytree(self.shards, folder / "shards")
         return folder
 
-    def start(self, folder: Path, *flags: str, netns: str | None = None, **env):
+    def start(
+        self, folder: Path, *flags: str, netns: str | None = None, hosted: bool = True, **env
+    ):
+        """A node's agent: `gradline stage train` in `folder`, run as `gradline run` runs
+        its stages, a fork of the test process's stage host (tests/servers.py) behind a
+        command that passes signals on and dies with it. A node in a network namespace of
+        its own, or one whose process tree a test inspects (`hosted=False`), starts cold."""
         command = [
             GRADLINE,
             *("stage", "train", "--shards", "shards", "--model", "model"),
@@ -95,6 +103,8 @@ class Cluster:
             SECRET_ENV: self.secret,
             **env,
         }
+        if hosted and not netns:
+            environ[STAGE_HOST_ENV] = SharedStageHost.socket()
         log = (folder / "node.log").open("w")
         return subprocess.Popen(command, cwd=folder, env=environ, stdout=log, stderr=log)
 
@@ -362,6 +372,7 @@ def test_the_slurm_script_trains_on_two_nodes_of_this_machine(tiny_shards, tmp_p
         **{"SLURM_SUBMIT_DIR": str(project), "GRADLINE": GRADLINE, "SHARDS": "shards"},
         **{"CKPT_DIR": str(cluster.checkpoints), "RDZV_PORT": str(free_port())},
         "MLFLOW_TRACKING_URI": cluster.tracking_uri,
+        STAGE_HOST_ENV: SharedStageHost.socket(),  # each node's stage forks from it
     }
     done = subprocess.run(
         ["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=400
