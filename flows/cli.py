@@ -286,7 +286,7 @@ def _cmd_sync(args: argparse.Namespace) -> int:
 def _register_after_sync(project, cfg) -> str:
     """Register the trained model as the flow's register step would (once: a version
     registered before is reported, not added again)."""
-    from tasks.registry import register_trained
+    from training.mlops.registration import register_trained
     from training.mlops.registry import is_gated
     from training.mlops.tracking import client
 
@@ -343,6 +343,8 @@ def _run_stage(args: argparse.Namespace, root: Path) -> None:
             Path(args.metrics),
             Path(args.plots),
         )
+    elif args.name == "register":
+        stages.register_stage(root, Path(args.summary))
 
 
 def _cmd_ui(args: argparse.Namespace) -> int:
@@ -588,6 +590,9 @@ def _add_stage(sub) -> None:
     evaluate = stage_sub.add_parser("evaluate")
     for flag in ("--model", "--shards", "--result", "--metrics", "--plots"):
         evaluate.add_argument(flag, required=True)
+    # Not a DVC stage: the flow's register step, run in a fork of its stage host.
+    register = stage_sub.add_parser("register")
+    register.add_argument("--summary", required=True, help="where the run summary goes (JSON)")
     _add_no_wait(stage)
     stage.set_defaults(func=_cmd_stage)
 

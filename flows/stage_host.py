@@ -115,6 +115,7 @@ MODEL_PRELOAD = (
     "training.evaluation",
     "training.models.folder",
     "training.plots",
+    "training.mlops.registration",  # the flow's register step
 )
 # What later commands import beyond the above, loaded last, between requests and while
 # the first stages run; no command waits for these (one that starts before they are

@@ -37,7 +37,7 @@ from training.errors import (
     is_retryable,
     is_retryable_exit,
 )
-from training.host_client import HostedProcess
+from training.host_client import HostedProcess, start_in_host
 from training.mlops.dvc_cli import DvcCommandFailed, dvc_process, dvc_status
 from training.mlops.remote import failed_files, push_failed
 from training.mlops.tracking import FLOW_RUN_ENV
@@ -86,8 +86,7 @@ def dvc_output(root: Path, *args: str) -> str:
     return out
 
 
-def _stage_failure(args: tuple[str, ...], code: int, record_file: Path, tail: str) -> StageFailed:
-    command = f"dvc {' '.join(args)}"
+def _stage_failure(command: str, code: int, record_file: Path, tail: str) -> StageFailed:
     if record_file.is_file():
         record = json.loads(record_file.read_text())
         return StageFailed(
@@ -114,15 +113,46 @@ def run_dvc(
     flow, stderr); return that output. record_as: the flow run the stage's MLflow run is
     tagged with (default: this one). keep_stderr: read stderr even on a terminal (a
     failed push is classified from DVC's error lines)."""
-    echo = echo or get_run_logger().info
-    env = _env(record_as)
     # On a terminal the stage's stderr (progress bars, errors) goes straight to it.
     stderr = None if sys.stderr.isatty() and not keep_stderr else subprocess.STDOUT
+
+    def start(env: dict[str, str]) -> subprocess.Popen | HostedProcess:
+        return dvc_process(root, *args, env=env, stdout=subprocess.PIPE, stderr=stderr)
+
+    return _run_streamed(start, f"dvc {' '.join(args)}", _env(record_as), echo)
+
+
+def run_hosted_stage(root: Path, *args: str, echo: Callable[[str], None] | None = None) -> str:
+    """`gradline stage args` forked from the flow's stage host, which has imported what
+    the stage needs (MLflow, torch) so that this process does not; streamed and failing as
+    `run_dvc` does. HostRefused when no host runs it: the caller runs the step itself."""
+
+    def start(env: dict[str, str]) -> HostedProcess:
+        return start_in_host(
+            ["stage", *args],
+            cwd=str(root),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+
+    return _run_streamed(start, f"gradline stage {args[0]}", _env(), echo)  # named, no paths
+
+
+def _run_streamed(
+    start: Callable[[dict[str, str]], subprocess.Popen | HostedProcess],
+    command: str,
+    env: dict[str, str],
+    echo: Callable[[str], None] | None,
+) -> str:
+    """Run what `start(env)` starts, its output streamed to `echo` (default: the task's
+    log); its output, or StageFailed with the error record the stage left."""
+    echo = echo or get_run_logger().info
     tail: deque[str] = deque(maxlen=60)
     with owned_temporary_directory("gradline-stage-") as tmp:
         record_file = Path(tmp) / "error.json"
         env[ERROR_FILE_ENV] = str(record_file)
-        with dvc_process(root, *args, env=env, stdout=subprocess.PIPE, stderr=stderr) as proc:
+        with start(env) as proc:
             assert proc.stdout is not None
             try:
                 _stream(proc.stdout, tail, echo)
@@ -130,7 +160,7 @@ def run_dvc(
                 stop_stage(proc, tail, echo)
                 raise
         if proc.returncode != 0:
-            raise _stage_failure(args, proc.returncode, record_file, "\n".join(tail))
+            raise _stage_failure(command, proc.returncode, record_file, "\n".join(tail))
     return "\n".join(tail)
 
 

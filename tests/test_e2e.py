@@ -11,14 +11,18 @@ from pathlib import Path
 import pytest
 import yaml
 
+from training.host_client import STAGE_HOST_ENV
+
 from .conftest import (
     WebhookReceiver,
     _assert_alerted_iff_champion,
     _client,
+    _env,
     _gradline,
     _run,
     copy_project,
 )
+from .servers import SharedStageHost
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -309,3 +313,49 @@ def test_a_user_model_trains_registers_and_loads_through_pyfunc(tmp_path: Path) 
         _pyfunc(project, "gradline-digits").predict(np.zeros((4, 8, 8), dtype=np.float32))
     )
     assert predicted.shape == (4,) and set(predicted.tolist()) <= set(range(10))
+
+
+_REGISTER_IN_HOST = """
+import json, sys
+from pathlib import Path
+from tasks.registry import register_in_host
+from training.project import Project
+root = Path(sys.argv[1])
+try:
+    summary = register_in_host(root, Project(root).config(), print)
+    outcome = {"run_id": summary.run_id, "version": summary.version}
+except Exception as exc:
+    outcome = {"error": f"{type(exc).__name__}: {exc}", "retryable": exc.retryable}
+heavy = sorted(m for m in ("mlflow", "torch", "pandas") if m in sys.modules)
+print(json.dumps({**outcome, "imported": heavy}))
+"""
+
+
+def _register_in_host(root: Path) -> dict:
+    """The flow's register step, run as the flow runs it (the test process's stage host
+    named), in a process of its own: what it returned, and what heavy modules it imported."""
+    env = _env(root, shared_server=False)
+    env[STAGE_HOST_ENV] = SharedStageHost.socket()
+    done = subprocess.run(
+        [sys.executable, "-c", _REGISTER_IN_HOST, str(root)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_register_step_runs_in_the_stage_host_and_its_errors_come_back(
+    first_run, tmp_path
+) -> None:
+    """The flow's process registers through a fork of the stage host and imports neither
+    MLflow, torch nor pandas; registering the same run again reports its version. A step
+    that fails there fails here with the stage's own message, marked not worth retrying
+    when the stage says so."""
+    root, _, run_id = first_run
+    again = _register_in_host(root)
+    assert again == {"run_id": run_id, "version": 1, "imported": []}, again
+    untrained = copy_project(tmp_path / "untrained")  # no result.json: nothing to register
+    failed = _register_in_host(untrained)
+    assert failed["imported"] == [] and failed["retryable"] is False, failed
+    assert failed["error"].startswith("StageFailed: `gradline stage register` failed"), failed
+    assert "result.json not found; run the train stage first" in failed["error"], failed

@@ -337,9 +337,9 @@ def test_server_down_as_training_ends_then_sync_ships_and_registers(
     import json
     import os
 
-    from tasks.registry import register_trained
     from training.config import write_overrides
     from training.errors import TrackingUnavailable
+    from training.mlops.registration import register_trained
     from training.mlops.tracking import pending_records
     from training.project import Project
 

@@ -152,3 +152,16 @@ def evaluate_stage(
         record_evaluation(project.tracking_uri, trained["run_id"], records, figures)
     log.info("evaluate: %s", evaluation.metrics)
     return evaluation.metrics
+
+
+def register_stage(root: Path, summary: Path) -> dict[str, Any]:
+    """The flow's register step (training.mlops.registration) with params.yaml as the
+    flow left it; the run summary goes to `summary` (JSON), for the flow to publish."""
+    from dataclasses import asdict
+
+    from training.mlops.registration import register_trained
+
+    cfg = Project(root).config()
+    registered = asdict(register_trained(root, cfg, cfg.orchestrate.tracking_wait_s, log.info))
+    write_json(summary, registered)
+    return registered
