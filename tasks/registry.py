@@ -24,8 +24,11 @@ SUMMARY_KEY = "gradline-run-summary"
 
 @task(name="check-up-to-date", task_run_name="check-up-to-date")
 def find_up_to_date_run(root: str, cfg: Config) -> RunSummary | None:
-    """The last run's summary when nothing changed since (training.mlops.summary)."""
-    return up_to_date_run(Path(root), cfg, stale_stages, get_run_logger().info)
+    """The last run's summary when nothing changed since (training.mlops.summary). DVC
+    is asked first: a run that changed something never imports MLflow in this process
+    (its registration runs in the stage host)."""
+    say = get_run_logger().info
+    return up_to_date_run(Path(root), cfg, stale_stages, say, changes_first=True)
 
 
 def prepare_registration() -> None:
