@@ -27,11 +27,13 @@ from training.config import Config, jobspec, load_config, update_params_file, wr
 from training.data.spec import DataSpec
 from training.engine import rendezvous_costs
 from training.engine.launch import PREEMPTED_EXIT_CODE, TrainingFailed, launch_workers
+from training.host_client import STAGE_HOST_ENV
 from training.mlops.tracking import client, ensure_experiment
 from training.models.folder import load_model_dir
 
 from .conftest import REPO, copy_project, train_job
 from .resume_checks import Resumed, assert_resume_tags, assert_resumed, stopped_steps
+from .servers import SharedStageHost
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -257,6 +259,9 @@ def test_sigterm_checkpoints_exits_distinctly_and_resumes(
         *("--checkpoints", "checkpoints", "--result", "result.json"),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    # Run as `gradline run` runs its stages: a fork of the stage host behind a command
+    # that passes the signal on and exits as the stage does.
+    env[STAGE_HOST_ENV] = SharedStageHost.socket()
     slow = {**env, "GRADLINE_FAULT": "slow:rank=0:step=0:seconds=0.15"}
     job = subprocess.Popen(command, cwd=project, env=slow, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
