@@ -351,9 +351,13 @@ def test_the_register_step_runs_in_the_stage_host_and_its_errors_come_back(
     MLflow, torch nor pandas; registering the same run again reports its version. A step
     that fails there fails here with the stage's own message, marked not worth retrying
     when the stage says so."""
-    root, _, run_id = first_run
+    root = first_run[0]  # other tests of its project may have added runs since
+    trained = json.loads((root / "result.json").read_text())["run_id"]
+    versions = _client(root).search_model_versions("name='gradline-digits'")
+    (registered,) = [v for v in versions if v.run_id == trained]
     again = _register_in_host(root)
-    assert again == {"run_id": run_id, "version": 1, "imported": []}, again
+    assert again == {"run_id": trained, "version": int(registered.version), "imported": []}
+    assert len(_client(root).search_model_versions("name='gradline-digits'")) == len(versions)
     untrained = copy_project(tmp_path / "untrained")  # no result.json: nothing to register
     failed = _register_in_host(untrained)
     assert failed["imported"] == [] and failed["retryable"] is False, failed
