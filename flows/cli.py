@@ -574,7 +574,9 @@ def _add_sync(sub) -> None:
 
 
 def _add_stage(sub) -> None:
-    stage = sub.add_parser("stage", help="run one DVC stage (what dvc.yaml calls)")
+    stage = sub.add_parser(
+        "stage", help="run one DVC stage (what dvc.yaml calls), or the flow's register step"
+    )
     stage_sub = stage.add_subparsers(dest="name", required=True)
     ingest = stage_sub.add_parser("ingest")
     for flag in ("--out", "--quarantine", "--report"):
