@@ -32,6 +32,7 @@ The socket lives in a folder only this user can open, and the host runs nothing 
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import functools
@@ -46,6 +47,7 @@ import socket
 import subprocess
 import sys
 import traceback
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,6 +269,7 @@ class _Host:
         step = next(preload for preload in self.preloads if preload.steps).steps.popleft()
         try:
             step()
+            _skip_torch_teardown_at_exit()
         except Exception as exc:  # a step only saves time: the stages go on without it
             # Stages forked from the host may be running: the host must not end under
             # them. A command that needs what failed meets the failure itself.
@@ -546,6 +549,25 @@ def _remember_mlflow_schema_head() -> None:
         if not hasattr(utils._get_latest_schema_revision, "cache_info"):
             utils._get_latest_schema_revision = functools.cache(utils._get_latest_schema_revision)
         utils._get_latest_schema_revision()
+
+
+def _skip_torch_teardown_at_exit() -> None:
+    """A fork ends by running the exit handlers it inherited from the host's imports
+    (`end_process`). torch's free nothing the OS does not: a table of compile times logged
+    at INFO (importing `tabulate` to draw it) and ~170 operator libraries unregistered
+    one by one. ~0.06 s at the end of every fork, two a stage (DVC's and the stage's), so
+    off for the forks, once torch is imported: the handlers a command registers itself
+    still run. (`finalize._registry` is private: where it is missing, nothing changes.)"""
+    compile_times = getattr(sys.modules.get("torch._dynamo.utils"), "dump_compile_times", None)
+    if compile_times is not None:
+        atexit.unregister(compile_times)
+    unregister = getattr(sys.modules.get("torch.library"), "_del_library", None)
+    if unregister is None:
+        return
+    for finalizer in list(getattr(weakref.finalize, "_registry", ())):
+        held = finalizer.peek()
+        if held is not None and held[1] is unregister:
+            finalizer.atexit = False
 
 
 def _remove_socket(listener: socket.socket) -> None:
