@@ -33,6 +33,13 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(BIN)/gradline run
 
+# The suite starts hundreds of Python processes of gradline's own code: each compiles
+# the modules it imports unless bytecode is cached, which an environment with
+# PYTHONDONTWRITEBYTECODE set (many container images) forbids (~0.3 CPU-s a process,
+# ~3 s in each test process's collection). The tests write the caches, as Python does
+# by default, into the ignored __pycache__ folders.
+test test-fast: export PYTHONDONTWRITEBYTECODE :=
+
 test: $(VENV)/.installed-dev browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -6,6 +6,7 @@ depends on it) stale."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,24 @@ def test_a_change_to_code_makes_exactly_its_stages_stale(locked: Path, module, s
     # `dvc status` lists the stages whose own deps changed; what runs is those and every
     # stage after the first of them.
     assert _with_downstream(set(changed)) == stale, changed
+
+
+@pytest.mark.timeout(120)
+def test_python_s_bytecode_caches_in_code_dependencies_change_nothing(locked: Path) -> None:
+    """Importing the code writes __pycache__ folders into training/ (unless the
+    environment forbids it): a stage whose deps are folders of code must stay up to date."""
+    written = []
+    for folder in ("training/models", "training/objectives", "training/data"):
+        cache = locked / folder / "__pycache__"
+        cache.mkdir(exist_ok=True)
+        (cache / "mlp.cpython-311.pyc").write_bytes(b"bytecode")
+        (locked / folder / "stray.pyc").write_bytes(b"bytecode")
+        written += [cache, locked / folder / "stray.pyc"]
+    try:
+        assert json.loads(_dvc(locked, "status", "--json") or "{}") == {}
+    finally:
+        for path in written:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def _with_downstream(stages: set[str]) -> set[str]:
