@@ -20,11 +20,22 @@ Only the default database is seeded: SQLite in PREFECT_HOME, no connection URL s
 a run leaves in its own database never goes into the copy: the copy is taken before the
 run's flow starts, and without the server's telemetry session (the `configuration`
 table, which a fresh database does not have).
+
+The block types a server registers as it starts depend only on Prefect's version and the
+installed Prefect collections (it imports each collection to find its block types). The
+template is named by both, and a database seeded from it, or one a temporary server has
+since registered them in, is marked with them (a file beside it). A temporary server on a
+database so marked skips the registration: ~1 s of CPU per start, ~2 s where a
+collection such as prefect-kubernetes is installed, for rows that are there already.
+Another Prefect version or collection set misses the mark, and that server registers
+them again (and the mark follows).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import os
 import sqlite3
 from pathlib import Path
 
@@ -45,15 +56,69 @@ def default_database() -> Path | None:
     return prefect_home() / "prefect.db"
 
 
+# What a Prefect server is told so as to leave its block types as they are: not registered
+# at start, nor the collections imported to compare them with its memo of the last time.
+SKIP_BLOCK_REGISTRATION = {
+    "PREFECT_SERVER_REGISTER_BLOCKS_ON_START": "false",
+    "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false",
+}
+
+
+def block_types_key() -> str:
+    """What decides the block types a Prefect server registers: Prefect's version and each
+    installed collection (its entry point and distribution), read from the packages'
+    metadata without importing them."""
+    collections = sorted(
+        f"{point.name}={point.dist.name if point.dist else ''} "
+        f"{point.dist.version if point.dist else ''}"
+        for point in importlib.metadata.entry_points(group="prefect.collections")
+    )
+    return "\n".join([f"prefect {importlib.metadata.version('prefect')}", *collections]) + "\n"
+
+
 def template_path() -> Path:
-    return cache_dir() / f"prefect-{importlib.metadata.version('prefect')}.db"
+    digest = hashlib.sha256(block_types_key().encode()).hexdigest()[:12]
+    return cache_dir() / f"prefect-{importlib.metadata.version('prefect')}-{digest}.db"
 
 
 def seed_database(database: Path | None) -> bool:
-    """Give `database`, when it does not exist yet, the template's content; whether it
-    did. Never replaces a database: one that appeared meanwhile (another server on the
-    same new home) is kept, since a server may already have it open."""
-    return database is not None and seed_from(template_path(), database)
+    """Give `database`, when it does not exist yet, the template's content (and its mark:
+    the block types are there); whether it did. Never replaces a database: one that
+    appeared meanwhile (another server on the same new home) is kept, since a server may
+    already have it open."""
+    if database is None or not seed_from(template_path(), database):
+        return False
+    mark_block_types_registered(database)
+    return True
+
+
+def block_types_mark(database: Path) -> Path:
+    return database.with_name(database.name + ".block-types")
+
+
+def mark_block_types_registered(database: Path) -> None:
+    """Note that `database` holds the block types of this Prefect and its collections (a
+    server registered them in it, or it was seeded from a template that has them). A mark
+    that cannot be written only costs the next server the registration."""
+    mark = block_types_mark(database)
+    staged = mark.with_name(f".{mark.name}.{os.getpid()}.part")
+    try:
+        staged.write_text(block_types_key())
+        os.replace(staged, mark)
+    except OSError:
+        staged.unlink(missing_ok=True)
+
+
+def block_registration_settings(database: Path | None) -> dict[str, str]:
+    """The settings for a server about to start on `database`: none where it must
+    register the block types (a database it creates, or one not marked with this Prefect
+    and its collections); else those that skip it, less any the user set."""
+    mark = None if database is None else block_types_mark(database)
+    if mark is None or not database.exists() or not mark.is_file():
+        return {}
+    if mark.read_text() != block_types_key():
+        return {}
+    return {k: v for k, v in SKIP_BLOCK_REGISTRATION.items() if k not in os.environ}
 
 
 def seeded_or_to_create(database: Path | None) -> bool:

@@ -29,7 +29,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from flows.environment import OFFLINE_DEFAULTS
-from flows.prefect_database import default_database, save_template, seeded_or_to_create
+from flows.prefect_database import (
+    block_registration_settings,
+    default_database,
+    mark_block_types_registered,
+    save_template,
+    seeded_or_to_create,
+)
 from tasks.prefect_api import TEMPORARY_SERVER_ENV
 from training.errors import OrchestratorUnreachable
 
@@ -46,6 +52,10 @@ class TemporaryServer:
         # PREFECT_HOME's database when the server is to create it (no template to copy):
         # copied as the template once the server answers (flows/prefect_database.py).
         self.creates_database: Path | None = None
+        # PREFECT_HOME's database, where the server registers the block types as it starts
+        # (it does not where they are there already): marked so once it answers.
+        self.registers_block_types_in: Path | None = None
+        self.settings: dict[str, str] = {}
 
     @property
     def api_url(self) -> str:
@@ -55,6 +65,8 @@ class TemporaryServer:
         database = default_database()
         if seeded_or_to_create(database):
             self.creates_database = database
+        self.settings = block_registration_settings(database)
+        self.registers_block_types_in = None if self.settings else database
         self.port = _free_port()
         self.proc = subprocess.Popen(self._command(), env=self._environment())
 
@@ -79,14 +91,15 @@ class TemporaryServer:
             "on",
         ]
 
-    @staticmethod
-    def _environment() -> dict[str, str]:
-        # What Prefect sets for its own temporary server: no UI, an ephemeral API.
+    def _environment(self) -> dict[str, str]:
+        # What Prefect sets for its own temporary server (no UI, an ephemeral API), and
+        # whether it registers the block types (flows/prefect_database.py).
         return {
             **os.environ,
             "PREFECT_UI_ENABLED": "0",
             "PREFECT__SERVER_EPHEMERAL": "1",
             "PREFECT__SERVER_FINAL": "1",
+            **self.settings,
         }
 
     def wait_until_ready(self) -> None:
@@ -117,6 +130,9 @@ class TemporaryServer:
         if self.creates_database is not None:  # answering: migrated, and nothing run yet
             save_template(self.creates_database)
             self.creates_database = None
+        if self.registers_block_types_in is not None:  # answering: registered
+            mark_block_types_registered(self.registers_block_types_in)
+            self.registers_block_types_in = None
 
     def point_here(self) -> None:
         os.environ["PREFECT_API_URL"] = self.api_url

@@ -24,7 +24,12 @@ from pathlib import Path
 import pytest
 
 from flows.environment import OFFLINE_DEFAULTS
-from flows.prefect_database import save_template, seeded_or_to_create
+from flows.prefect_database import (
+    block_registration_settings,
+    mark_block_types_registered,
+    save_template,
+    seeded_or_to_create,
+)
 from flows.stage_host import STAGE_HOST_ENV, stage_host
 from flows.temporary_server import prefect_api_answers
 from training.atomic import pid_alive
@@ -80,6 +85,9 @@ class PrefectServer:
         creates = seeded_or_to_create(database)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
         env.update(OFFLINE_DEFAULTS, PREFECT_HOME=str(self.home))
+        # As a temporary server: the block types it would register are there already.
+        registers = not (skip := block_registration_settings(database))
+        env.update(skip)
         cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1"]
         with (self.home / "server.log").open("a") as log:
             self.proc = subprocess.Popen(
@@ -97,6 +105,8 @@ class PrefectServer:
             time.sleep(0.2)
         if creates:
             save_template(database)
+        if registers:
+            mark_block_types_registered(database)
 
     def _healthy(self) -> bool:
         return prefect_api_answers(self.api)
@@ -124,6 +134,21 @@ def running_prefect_server(tmp_path: Path):
         yield server
     finally:
         server.stop()
+
+
+def made_once_for_the_run(name: str, make) -> Path:
+    """The file `name` in the test run's folder, made by `make(path)` in the first test
+    process that asks (the others wait for it under a lock, then read what it wrote): a
+    reference result several processes' tests compare with is computed once a run."""
+    folder = Path(os.environ[RUN_DIR_ENV])
+    made = folder / name
+    with (folder / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            staged = folder / f".{name}.{os.getpid()}.part"
+            make(staged)
+            os.replace(staged, made)  # whole or not at all: a failed make leaves none
+    return made
 
 
 class SharedPrefect:

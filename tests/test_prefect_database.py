@@ -14,6 +14,9 @@ import pytest
 
 from flows import prefect_database
 from flows.prefect_database import (
+    SKIP_BLOCK_REGISTRATION,
+    block_types_key,
+    block_types_mark,
     default_database,
     save_template,
     seed_database,
@@ -76,7 +79,10 @@ def test_a_new_home_is_seeded_an_existing_database_never_replaced(own_cache) -> 
     save_template(_database(own_cache.parent / "made" / "prefect.db"))
     assert seed_database(database)
     assert _rows(database, "alembic_version") == [("head",)]
-    assert [p.name for p in database.parent.iterdir()] == ["prefect.db"]
+    assert sorted(p.name for p in database.parent.iterdir()) == [
+        "prefect.db",
+        "prefect.db.block-types",  # its block types are there (the template's)
+    ]
 
     other = _database(own_cache.parent / "other" / "prefect.db", configuration=True)
     before = other.read_bytes()
@@ -117,17 +123,40 @@ def test_the_first_new_home_leaves_the_template_and_the_next_starts_from_it(
     assert len(_rows(template, "block_type")) == len(_rows(made, "block_type")) > 0
     assert _rows(template, "configuration") == []
 
+    # The first server registered the block types (and left Prefect's memo of them):
+    # its database is marked with what they depend on.
+    assert (tmp_path / "first-home" / "memo_store.toml").is_file()
+    assert _mark(made) == block_types_key()
+
     second_home = tmp_path / "second-home"
     monkeypatch.setenv("PREFECT_HOME", str(second_home))
     assert seed_database(default_database())
+    assert _mark(second_home / "prefect.db") == block_types_key()
     second = _started(second_home, monkeypatch)
     try:
+        # Started without registering them (no memo: the collections were not even
+        # imported to compare), and every block type a run uses is there.
+        assert second.settings == SKIP_BLOCK_REGISTRATION
+        assert not (second_home / "memo_store.toml").exists()
+        slugs = {t["slug"] for t in _post(second.api_url + "/block_types/filter", {})}
+        assert {"webhook", "secret"} <= slugs and len(slugs) == len(_rows(made, "block_type"))
         flow = _post(second.api_url + "/flows/", {"name": "seeded-home"})
         assert _post(second.api_url + "/flows/filter", {})[0]["id"] == flow["id"]
     finally:
         second.stop()
     assert [name for (name,) in _names(second_home / "prefect.db")] == ["seeded-home"]
     assert _names(template) == []  # what ran on a seeded home stays there
+
+    # Another Prefect or another set of collections since: that server registers them.
+    block_types_mark(second_home / "prefect.db").write_text("prefect 0.0\n")
+    third = _started(second_home, monkeypatch)
+    third.stop()
+    assert third.settings == {} and (second_home / "memo_store.toml").is_file()
+    assert _mark(second_home / "prefect.db") == block_types_key()
+
+
+def _mark(database: Path) -> str:
+    return block_types_mark(database).read_text()
 
 
 def _started(home: Path, monkeypatch) -> TemporaryServer:
