@@ -32,11 +32,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import kubeflow.training.models as training_models
-import kubernetes.client.models as k8s_models
 import pytest
 import yaml
-from kubeflow_trainer_api import models as trainer_models
 from pydantic import BaseModel, ValidationError
 
 from flows.cli import build_parser, launch_overrides
@@ -123,7 +120,19 @@ def check_openapi(data: Any, type_name: str, path: str = "") -> list[str]:
     return _check_openapi_model(data, type_name, path)
 
 
+def _trainer_model(name: str) -> type:
+    """A model of the Trainer API's SDK. The SDKs are imported by the tests that use them:
+    at the top of the file every test process would import them (~1 s) as it collects
+    the suite."""
+    from kubeflow_trainer_api import models
+
+    return getattr(models, name)
+
+
 def _check_openapi_model(data: Any, type_name: str, path: str) -> list[str]:
+    import kubeflow.training.models as training_models
+    import kubernetes.client.models as k8s_models
+
     cls = getattr(training_models, type_name, None) or getattr(k8s_models, type_name)
     if not isinstance(data, dict):
         return [f"{path}: expected a {type_name} mapping, got {data!r}"]
@@ -144,7 +153,7 @@ def _check_openapi_model(data: Any, type_name: str, path: str) -> list[str]:
 @pytest.mark.timeout(60)
 def test_trainjob_matches_the_published_trainer_api() -> None:
     job = load("trainjob.yaml")
-    assert validate_trainer_api(job, trainer_models.TrainerV1alpha1TrainJob) == []
+    assert validate_trainer_api(job, _trainer_model("TrainerV1alpha1TrainJob")) == []
     assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
     spec = job["spec"]
     assert spec["runtimeRef"] == {
@@ -179,7 +188,7 @@ def test_pytorchjob_matches_the_published_training_operator_api() -> None:
 @pytest.mark.timeout(60)
 def test_shared_volume_is_the_one_the_jobs_mount() -> None:
     pvc = load("shared.yaml")
-    assert validate_trainer_api(pvc, trainer_models.IoK8sApiCoreV1PersistentVolumeClaim) == []
+    assert validate_trainer_api(pvc, _trainer_model("IoK8sApiCoreV1PersistentVolumeClaim")) == []
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # every node writes checkpoints
     for job in ("trainjob.yaml", "pytorchjob.yaml"):
         claims = re.findall(r'"claimName": "([^"]+)"', json.dumps(load(job)))
@@ -236,7 +245,7 @@ _WORKER = "spec.pytorchReplicaSpecs.Worker"
 )
 def test_a_broken_trainjob_is_rejected(edit, path, arg, named) -> None:
     broken = edit(load("trainjob.yaml"), path, arg)
-    problems = validate_trainer_api(broken, trainer_models.TrainerV1alpha1TrainJob)
+    problems = validate_trainer_api(broken, _trainer_model("TrainerV1alpha1TrainJob"))
     assert problems and named in problems[0], problems
 
 
@@ -411,7 +420,7 @@ def test_work_pool_renders_a_valid_gpu_job() -> None:
     # prefect-kubernetes insists on these two keys in the pod spec (its own check puts
     # them there; Kubernetes drops them with a warning): the rest must be valid as is.
     assert (pod.pop("parallelism"), pod.pop("completions")) == (1, 1)
-    assert validate_trainer_api(job, trainer_models.IoK8sApiBatchV1Job) == []
+    assert validate_trainer_api(job, _trainer_model("IoK8sApiBatchV1Job")) == []
     container = pod["containers"][0]
     assert container["image"] == "registry.example.com/gradline:1"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4

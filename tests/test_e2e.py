@@ -259,9 +259,9 @@ def test_language_model_example_samples_text_and_generates_through_pyfunc(tmp_pa
     small = (
         "data.max_bytes=400000",
         "data.split_by=document",  # a few files: split by paragraph, not by file
-        "train.max_steps=150",
+        "train.max_steps=80",  # beats the unigram by ~0.5 nats already (~0.8 at 150)
         "optim.warmup_steps=10",
-        "runtime.eval_every_steps=75",
+        "runtime.eval_every_steps=40",
         "model.layers=2",
         "model.width=64",
         "model.context=64",
@@ -279,8 +279,8 @@ def test_language_model_example_samples_text_and_generates_through_pyfunc(tmp_pa
     assert metrics["tokens_per_s"] == pytest.approx(64 * metrics["samples_per_s"])
     assert 0 < metrics["mfu"] < 1
     samples = {a.path for a in client.list_artifacts(run_id, "samples")}
-    # At every validation: every 75 steps, and at the end of each epoch.
-    assert {"samples/step-00000075.txt", "samples/step-00000150.txt"} <= samples
+    # At every validation: every 40 steps, and at the end of each epoch.
+    assert {"samples/step-00000040.txt", "samples/step-00000080.txt"} <= samples
     text = client.download_artifacts(run_id, "evaluation/samples.txt", str(tmp_path))
     assert "=== sample 1, prompt 'def ' ===" in Path(text).read_text()
     generated = _pyfunc(project, "gradline-stdlib-gpt").predict(

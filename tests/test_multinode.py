@@ -38,7 +38,7 @@ from .resume_checks import (
     resumes_of,
     stopped_steps,
 )
-from .servers import SharedStageHost
+from .servers import SharedStageHost, made_once_for_the_run
 from .test_deploy_recipes import FAKE_SCONTROL, FAKE_SRUN, SBATCH
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -139,17 +139,17 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-_reference_weights: list[dict[str, torch.Tensor]] = []
-
-
 def _reference(cluster: Cluster) -> dict[str, torch.Tensor]:
-    """One node with two ranks, the same job otherwise (run once per session)."""
-    if not _reference_weights:
+    """One node with two ranks, the same job otherwise: trained once for the test run
+    (this file's tests and the node-loss test run in different test processes)."""
+
+    def train(path: Path) -> None:
         folder = cluster.node("one-node", procs_per_node=2)
         proc = cluster.start(folder)
         _wait([proc], [folder])
-        _reference_weights.append(_weights(folder / "model"))
-    return _reference_weights[0]
+        torch.save(_weights(folder / "model"), path)
+
+    return torch.load(made_once_for_the_run("multinode-reference.pt", train), weights_only=True)
 
 
 def _identical(a, b) -> bool:

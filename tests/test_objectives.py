@@ -11,14 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from sklearn.metrics import (
-    accuracy_score,
-    f1_score,
-    log_loss,
-    mean_absolute_error,
-    mean_squared_error,
-    r2_score,
-)
 
 from tests.conftest import assert_drawn
 from training.data.spec import DataSpec
@@ -80,7 +72,13 @@ def language_model(token_bytes: np.ndarray | None = None):
 # --- metric formulas -------------------------------------------------------------------
 
 
+# scikit-learn's metrics, the reference, are imported by the tests that use them: at the
+# top of the file every test process would import them (~1 s) as it collects the suite.
+
+
 def test_classification_metrics_match_scikit_learn() -> None:
+    from sklearn.metrics import accuracy_score, f1_score, log_loss
+
     rng = np.random.default_rng(1)
     # Seven classes, labels drawn from five: class 5 occurs only among predictions and
     # class 6 nowhere, which is where a hand-written macro-F1 departs from scikit-learn.
@@ -101,6 +99,8 @@ def test_classification_metrics_match_scikit_learn() -> None:
 
 
 def test_regression_metrics_match_scikit_learn() -> None:
+    from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
+
     rng = np.random.default_rng(2)
     actual = rng.normal(150.0, 40.0, size=300)
     predicted = actual + rng.normal(0.0, 25.0, size=300)
@@ -118,6 +118,8 @@ def test_regression_metrics_match_scikit_learn() -> None:
 def test_regression_r2_stays_exact_for_labels_far_from_zero() -> None:
     # sum(y^2) - sum(y)^2 / n cancels catastrophically at a mean of 1e7 unless the sums
     # are taken around the train mean.
+    from sklearn.metrics import r2_score
+
     rng = np.random.default_rng(12)
     actual = rng.normal(1e7, 1.0, size=300)
     predicted = actual + rng.normal(0.0, 0.5, size=300)

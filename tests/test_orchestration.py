@@ -183,10 +183,10 @@ def _summary_markdown(api: str, flow_run_id) -> str:
 @pytest.fixture(scope="module")
 def served(server, tmp_path_factory):
     """A CSV-fed project whose prefect.yaml deployment is served against the server."""
-    root = _project(
-        tmp_path_factory.mktemp("served") / "gradline",
-        **{"data.source": "csv", "data.key_column": "key", "data.num_classes": 2},
-    )
+    csv = {"data.source": "csv", "data.key_column": "key", "data.num_classes": 2}
+    # 15 epochs are enough on the half-moons: the MLP scores ~0.97 (~0.98 after 40), its
+    # baseline ~0.81.
+    root = _project(tmp_path_factory.mktemp("served") / "gradline", **csv, **{"train.epochs": 15})
     _write_moons_csv(root / "data" / "incoming" / "part-1.csv", slice(0, 1200))
     log = (root / "serve.log").open("w")
     proc = subprocess.Popen(

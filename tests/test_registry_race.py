@@ -13,6 +13,7 @@ import pytest
 
 from tests import test_tracking_outage
 from tests.test_registry import _trained
+from training.engine.worker_start import start_method
 from training.mlops.registry import (
     CHAMPION,
     GATE_TAG,
@@ -48,7 +49,9 @@ def _register(uri, run, accuracy, barrier, results) -> None:
 
 def _race(uri: str, runs: dict[float, tuple[str, str]]) -> list[Registration]:
     """Register every run at once, each from its own process; their Registrations."""
-    context = multiprocessing.get_context("spawn")  # MLflow's client threads survive no fork
+    # Forked by the engine's forkserver (MLflow imported once, no thread of this process
+    # inherited: MLflow's client threads survive no fork of this one).
+    context = multiprocessing.get_context(start_method())
     barrier, results = context.Barrier(len(runs)), context.Queue()
     workers = [
         context.Process(target=_register, args=(uri, run, accuracy, barrier, results))
