@@ -112,13 +112,13 @@ def mark_block_types_registered(database: Path) -> None:
 def block_registration_settings(database: Path | None) -> dict[str, str]:
     """The settings for a server about to start on `database`: none where it must
     register the block types (a database it creates, or one not marked with this Prefect
-    and its collections); else those that skip it, less any the user set."""
-    mark = None if database is None else block_types_mark(database)
-    if mark is None or not database.exists() or not mark.is_file():
+    and its collections) or the user set either; else those that skip it."""
+    if database is None or any(name in os.environ for name in SKIP_BLOCK_REGISTRATION):
         return {}
-    if mark.read_text() != block_types_key():
+    mark = block_types_mark(database)
+    if not database.exists() or not mark.is_file() or mark.read_text() != block_types_key():
         return {}
-    return {k: v for k, v in SKIP_BLOCK_REGISTRATION.items() if k not in os.environ}
+    return dict(SKIP_BLOCK_REGISTRATION)
 
 
 def seeded_or_to_create(database: Path | None) -> bool:

@@ -5,6 +5,7 @@ home answers and keeps what it is given."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import sqlite3
 import urllib.request
@@ -15,9 +16,11 @@ import pytest
 from flows import prefect_database
 from flows.prefect_database import (
     SKIP_BLOCK_REGISTRATION,
+    block_registration_settings,
     block_types_key,
     block_types_mark,
     default_database,
+    mark_block_types_registered,
     save_template,
     seed_database,
     template_path,
@@ -90,6 +93,30 @@ def test_a_new_home_is_seeded_an_existing_database_never_replaced(own_cache) -> 
     assert other.read_bytes() == before
 
 
+def test_block_types_are_registered_wherever_they_may_be_missing(own_cache, monkeypatch) -> None:
+    database = default_database()
+    assert block_registration_settings(database) == {}  # none yet: the server makes it
+    save_template(_database(own_cache.parent / "made" / "prefect.db"))
+    assert seed_database(database)  # from the template: marked with its block types
+    assert block_registration_settings(database) == SKIP_BLOCK_REGISTRATION
+    block_types_mark(database).write_text("prefect 3.0.0\n")  # another Prefect made them
+    assert block_registration_settings(database) == {}
+    mark_block_types_registered(database)  # as a server that registered them leaves it
+    assert block_registration_settings(database) == SKIP_BLOCK_REGISTRATION
+    monkeypatch.setenv("PREFECT_SERVER_REGISTER_BLOCKS_ON_START", "true")
+    assert block_registration_settings(database) == {}  # the user's own say wins
+
+    # A collection installed since (its entry point): another key, another template, and
+    # the databases marked before register again.
+    template = template_path()
+    installed = importlib.metadata.entry_points(group="prefect.collections")
+    extra = importlib.metadata.EntryPoint("prefect_extra", "prefect_extra", "prefect.collections")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [*installed, extra])
+    monkeypatch.delenv("PREFECT_SERVER_REGISTER_BLOCKS_ON_START")
+    assert template_path() != template and template_path().parent == template.parent
+    assert block_registration_settings(database) == {}
+
+
 @pytest.mark.parametrize(
     ("where", "text"),
     [
@@ -146,13 +173,6 @@ def test_the_first_new_home_leaves_the_template_and_the_next_starts_from_it(
         second.stop()
     assert [name for (name,) in _names(second_home / "prefect.db")] == ["seeded-home"]
     assert _names(template) == []  # what ran on a seeded home stays there
-
-    # Another Prefect or another set of collections since: that server registers them.
-    block_types_mark(second_home / "prefect.db").write_text("prefect 0.0\n")
-    third = _started(second_home, monkeypatch)
-    third.stop()
-    assert third.settings == {} and (second_home / "memo_store.toml").is_file()
-    assert _mark(second_home / "prefect.db") == block_types_key()
 
 
 def _mark(database: Path) -> str:
