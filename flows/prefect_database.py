@@ -33,10 +33,12 @@ them again (and the mark follows).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import os
 import sqlite3
+from dataclasses import dataclass
 from pathlib import Path
 
 from flows.prefect_settings import prefect_home, prefect_setting_configured
@@ -64,6 +66,7 @@ SKIP_BLOCK_REGISTRATION = {
 }
 
 
+@functools.cache  # what is installed does not change under a command (~10 ms a read)
 def block_types_key() -> str:
     """What decides the block types a Prefect server registers: Prefect's version and each
     installed collection (its entry point and distribution), read from the packages'
@@ -119,6 +122,31 @@ def block_registration_settings(database: Path | None) -> dict[str, str]:
     if not database.exists() or not mark.is_file() or mark.read_text() != block_types_key():
         return {}
     return dict(SKIP_BLOCK_REGISTRATION)
+
+
+@dataclass
+class ServerDatabase:
+    """PREFECT_HOME's database made ready for a Prefect server about to start on it, and
+    what is left to do once that server answers."""
+
+    path: Path | None
+    settings: dict[str, str]  # for the server's environment (block_registration_settings)
+    creates: bool  # the server makes it: kept as the template once it answers
+    registers: bool  # the server registers the block types: marked so once it answers
+
+    @classmethod
+    def prepare(cls, path: Path | None) -> ServerDatabase:
+        creates = seeded_or_to_create(path)
+        settings = block_registration_settings(path)
+        return cls(path, settings, creates, registers=path is not None and not settings)
+
+    def server_answers(self) -> None:
+        """The server answers: migrated, its block types registered, nothing run yet."""
+        if self.creates and self.path is not None:
+            save_template(self.path)
+        if self.registers and self.path is not None:
+            mark_block_types_registered(self.path)
+        self.creates = self.registers = False
 
 
 def seeded_or_to_create(database: Path | None) -> bool:

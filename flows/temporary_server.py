@@ -29,13 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from flows.environment import OFFLINE_DEFAULTS
-from flows.prefect_database import (
-    block_registration_settings,
-    default_database,
-    mark_block_types_registered,
-    save_template,
-    seeded_or_to_create,
-)
+from flows.prefect_database import ServerDatabase, default_database
 from tasks.prefect_api import TEMPORARY_SERVER_ENV
 from training.errors import OrchestratorUnreachable
 
@@ -49,24 +43,17 @@ class TemporaryServer:
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.ready = False
-        # PREFECT_HOME's database when the server is to create it (no template to copy):
-        # copied as the template once the server answers (flows/prefect_database.py).
-        self.creates_database: Path | None = None
-        # PREFECT_HOME's database, where the server registers the block types as it starts
-        # (it does not where they are there already): marked so once it answers.
-        self.registers_block_types_in: Path | None = None
-        self.settings: dict[str, str] = {}
+        # PREFECT_HOME's database: seeded from the template, or kept as the template once
+        # the server made it; its block types registered only where they may be missing
+        # (flows/prefect_database.py).
+        self.database = ServerDatabase(None, {}, creates=False, registers=False)
 
     @property
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/api"
 
     def start(self) -> None:
-        database = default_database()
-        if seeded_or_to_create(database):
-            self.creates_database = database
-        self.settings = block_registration_settings(database)
-        self.registers_block_types_in = None if self.settings else database
+        self.database = ServerDatabase.prepare(default_database())
         self.port = _free_port()
         self.proc = subprocess.Popen(self._command(), env=self._environment())
 
@@ -99,7 +86,7 @@ class TemporaryServer:
             "PREFECT_UI_ENABLED": "0",
             "PREFECT__SERVER_EPHEMERAL": "1",
             "PREFECT__SERVER_FINAL": "1",
-            **self.settings,
+            **self.database.settings,
         }
 
     def wait_until_ready(self) -> None:
@@ -127,12 +114,7 @@ class TemporaryServer:
             self.ready = prefect_api_answers(self.api_url)
             if not self.ready:
                 time.sleep(0.1)
-        if self.creates_database is not None:  # answering: migrated, and nothing run yet
-            save_template(self.creates_database)
-            self.creates_database = None
-        if self.registers_block_types_in is not None:  # answering: registered
-            mark_block_types_registered(self.registers_block_types_in)
-            self.registers_block_types_in = None
+        self.database.server_answers()
 
     def point_here(self) -> None:
         os.environ["PREFECT_API_URL"] = self.api_url

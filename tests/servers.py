@@ -24,12 +24,7 @@ from pathlib import Path
 import pytest
 
 from flows.environment import OFFLINE_DEFAULTS
-from flows.prefect_database import (
-    block_registration_settings,
-    mark_block_types_registered,
-    save_template,
-    seeded_or_to_create,
-)
+from flows.prefect_database import ServerDatabase
 from flows.stage_host import STAGE_HOST_ENV, stage_host
 from flows.temporary_server import prefect_api_answers
 from training.atomic import pid_alive
@@ -79,15 +74,12 @@ class PrefectServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        # A new home's database from the template, as a `gradline run` starts its
-        # temporary server (flows/prefect_database.py); else made, and kept as one.
-        database = self.home / "prefect.db"
-        creates = seeded_or_to_create(database)
+        # As a `gradline run`'s temporary server: a new home's database from the template
+        # (flows/prefect_database.py), else made and kept as one; the block types
+        # registered only where they may be missing.
+        database = ServerDatabase.prepare(self.home / "prefect.db")
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-        env.update(OFFLINE_DEFAULTS, PREFECT_HOME=str(self.home))
-        # As a temporary server: the block types it would register are there already.
-        registers = not (skip := block_registration_settings(database))
-        env.update(skip)
+        env.update(OFFLINE_DEFAULTS, **database.settings, PREFECT_HOME=str(self.home))
         cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1"]
         with (self.home / "server.log").open("a") as log:
             self.proc = subprocess.Popen(
@@ -103,10 +95,7 @@ class PrefectServer:
                 self.stop()
                 pytest.fail(f"prefect server did not start:\n{self.log()}")
             time.sleep(0.2)
-        if creates:
-            save_template(database)
-        if registers:
-            mark_block_types_registered(database)
+        database.server_answers()
 
     def _healthy(self) -> bool:
         return prefect_api_answers(self.api)

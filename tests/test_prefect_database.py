@@ -9,6 +9,7 @@ import importlib.metadata
 import json
 import sqlite3
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,14 +32,17 @@ from training.database_template import CACHE_DIR_ENV
 
 
 @pytest.fixture
-def own_cache(tmp_path, monkeypatch) -> Path:
-    """An empty gradline cache and an empty PREFECT_HOME, nothing configured."""
+def own_cache(tmp_path, monkeypatch) -> Iterator[Path]:
+    """An empty gradline cache and an empty PREFECT_HOME, nothing configured; the
+    installed collections read afresh (a test may pretend to install one)."""
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
     for name in ("PREFECT_API_URL", TEMPORARY_SERVER_ENV, *prefect_database.DATABASE_URL_SETTINGS):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
-    return tmp_path / "cache"
+    block_types_key.cache_clear()
+    yield tmp_path / "cache"
+    block_types_key.cache_clear()
 
 
 def _database(path: Path, configuration: bool = True) -> Path:
@@ -112,6 +116,7 @@ def test_block_types_are_registered_wherever_they_may_be_missing(own_cache, monk
     installed = importlib.metadata.entry_points(group="prefect.collections")
     extra = importlib.metadata.EntryPoint("prefect_extra", "prefect_extra", "prefect.collections")
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [*installed, extra])
+    block_types_key.cache_clear()  # as a new command would read them
     monkeypatch.delenv("PREFECT_SERVER_REGISTER_BLOCKS_ON_START")
     assert template_path() != template and template_path().parent == template.parent
     assert block_registration_settings(database) == {}
@@ -141,7 +146,7 @@ def test_the_first_new_home_leaves_the_template_and_the_next_starts_from_it(
 ) -> None:
     first = _started(tmp_path / "first-home", monkeypatch)
     try:
-        assert first.creates_database is None  # made, and kept as the template
+        assert not first.database.creates  # made, and kept as the template
     finally:
         first.stop()
     template = template_path()
@@ -163,7 +168,7 @@ def test_the_first_new_home_leaves_the_template_and_the_next_starts_from_it(
     try:
         # Started without registering them (no memo: the collections were not even
         # imported to compare), and every block type a run uses is there.
-        assert second.settings == SKIP_BLOCK_REGISTRATION
+        assert second.database.settings == SKIP_BLOCK_REGISTRATION
         assert not (second_home / "memo_store.toml").exists()
         slugs = {t["slug"] for t in _post(second.api_url + "/block_types/filter", {})}
         assert {"webhook", "secret"} <= slugs and len(slugs) == len(_rows(made, "block_type"))
