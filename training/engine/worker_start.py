@@ -34,6 +34,8 @@ START_ENV = "GRADLINE_WORKER_START"
 # each attempt: torch's optimizers import it as they are built (they keep the compiler
 # off some of their methods).
 PRELOAD = ["training.engine.worker", "mlflow.store.tracking.sqlalchemy_store", "torch._dynamo"]
+# Imported after them by multiprocessing's server: it freezes their objects for the forks.
+FREEZE_HEAP = "training.engine.freeze_heap"
 
 # This process's environment as it was when the engine was imported: in a forked worker,
 # the forkserver's; in a spawned one, the launcher's. Whatever differs from it by the
@@ -80,7 +82,9 @@ def start_method() -> str:
     wanted = os.environ.get(START_ENV, "forkserver")
     if wanted != "forkserver" or "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    # multiprocessing's own server imports these in order: the engine, then the freeze of
+    # what it imported (training/engine/freeze_heap.py), before it forks any worker.
+    multiprocessing.set_forkserver_preload([*PRELOAD, FREEZE_HEAP])
     return "forkserver"
 
 
