@@ -24,6 +24,7 @@ from training.engine.worker_start import (
     launch_environment,
     start_method,
 )
+from training.gc_tuning import YOUNG_GENERATION
 
 
 def test_a_worker_takes_the_launchers_environment_and_keeps_what_elastic_set():
@@ -91,25 +92,30 @@ def test_a_worker_forked_by_an_older_server_sees_the_launcher_of_now(tmp_path, m
 
 
 def _report_collection(rank: int, out: str) -> None:
-    """A worker: how many objects it inherited frozen, and how many pages of memory a full
-    garbage collection writes to (each one a page copied from the server)."""
+    """A worker: its collector's young generation, how many objects it inherited frozen,
+    and how many pages of memory a full collection writes to (each a page copied from the
+    server)."""
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     gc.collect()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    Path(out).write_text(json.dumps({"frozen": gc.get_freeze_count(), "faults": faults}))
+    seen = {"young": gc.get_threshold()[0], "frozen": gc.get_freeze_count(), "faults": faults}
+    Path(out).write_text(json.dumps(seen))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_full_collection_in_a_worker_leaves_the_servers_pages_alone(tmp_path, monkeypatch):
-    """multiprocessing's server (what a test process, a sweep or a CUDA build uses) freezes
-    what it imported before it forks. Measured: unfrozen, a worker's first full collection
-    wrote to ~35,000 pages (~140 MB copied, ~0.3 s of CPU); frozen, to ~120."""
+    """multiprocessing's server (what a test process, a sweep or a CUDA build uses) tunes
+    its collector before importing the engine and freezes what it imported before it
+    forks (training/engine/forkserver_preload.py). Measured: unfrozen, a worker's first
+    full collection wrote to ~35,000 pages (~140 MB copied, ~0.3 s of CPU); frozen, to
+    ~120."""
     monkeypatch.delenv(worker_start.START_ENV, raising=False)
     assert start_method() == "forkserver"
     out = tmp_path / "collection.json"
     mp.start_processes(_report_collection, (str(out),), nprocs=1, start_method="forkserver")
     seen = json.loads(out.read_text())
+    assert seen["young"] == YOUNG_GENERATION, seen  # a new interpreter's default is 700
     assert seen["frozen"] > 100_000, seen  # torch's, the engine's and MLflow's objects
     assert seen["faults"] < 2_000, seen
 

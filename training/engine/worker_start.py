@@ -34,8 +34,8 @@ START_ENV = "GRADLINE_WORKER_START"
 # each attempt: torch's optimizers import it as they are built (they keep the compiler
 # off some of their methods).
 PRELOAD = ["training.engine.worker", "mlflow.store.tracking.sqlalchemy_store", "torch._dynamo"]
-# Imported after them by multiprocessing's server: it freezes their objects for the forks.
-FREEZE_HEAP = "training.engine.freeze_heap"
+# multiprocessing's server imports this module alone: it imports PRELOAD its own way.
+SERVER_PRELOAD = "training.engine.forkserver_preload"
 
 # This process's environment as it was when the engine was imported: in a forked worker,
 # the forkserver's; in a spawned one, the launcher's. Whatever differs from it by the
@@ -82,9 +82,9 @@ def start_method() -> str:
     wanted = os.environ.get(START_ENV, "forkserver")
     if wanted != "forkserver" or "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    # multiprocessing's own server imports these in order: the engine, then the freeze of
-    # what it imported (training/engine/freeze_heap.py), before it forks any worker.
-    multiprocessing.set_forkserver_preload([*PRELOAD, FREEZE_HEAP])
+    # multiprocessing's own server: the engine imported with a tuned collector, then its
+    # heap frozen, before it forks any worker (training/engine/forkserver_preload.py).
+    multiprocessing.set_forkserver_preload([SERVER_PRELOAD])
     return "forkserver"
 
 
@@ -105,7 +105,7 @@ def start_worker_server() -> None:
     import multiprocessing.forkserver as forkserver  # Unix only, as the method itself
 
     if _may_fork_server(forkserver):
-        _import_preload()
+        import_preload()
     if _can_fork_server(forkserver):
         _fork_server(forkserver)
     else:
@@ -127,7 +127,7 @@ def _may_fork_server(forkserver) -> bool:
     )
 
 
-def _import_preload() -> None:
+def import_preload() -> None:
     """As multiprocessing's server does: a module that is not installed (MLflow, where
     the engine runs without tracking) is skipped, and the server is then not a fork."""
     import importlib
