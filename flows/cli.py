@@ -146,6 +146,7 @@ def _cmd_compare_updates(args: argparse.Namespace) -> int:
     from training.project import default_tracking_uri, find_project_root
 
     root = find_project_root()
+    _start_worker_server()
     # Every child's config, the rules and the fault are checked before anything runs.
     plan = plan_comparison(
         root, parse_rules(args.rules), args.set, args.slow_rank, args.slow_factor
@@ -168,6 +169,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         with project_lock(root, wait=not args.no_wait):
             print(apply_best(root, args.set))
         return 0
+    _start_worker_server()
     # The space, every bound's config and the quota are checked before anything runs.
     plan = plan_sweep(root, args.set, _devices_here)
     with project_lock(root, wait=not args.no_wait), store_errors(default_tracking_uri(root)):
@@ -175,6 +177,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         report = run_sweep(plan)
     print(report.describe())
     return 0
+
+
+def _start_worker_server() -> None:
+    """The server the trials' and children's workers fork from, started while this
+    process still has one thread: then it is a fork of this process with the engine
+    imported (training/engine/worker_start.py), not a new interpreter that imports
+    torch, the engine and MLflow's store again (~4.6 CPU-s each command, which the first
+    job's workers waited for)."""
+    from training.engine.worker_start import start_worker_server
+
+    start_worker_server()
 
 
 def _devices_here() -> int:

@@ -325,6 +325,7 @@ def test_a_full_remote_registers_nothing_and_a_grown_one_gets_just_what_is_missi
         OUT=str(out),
         RUN=shlex.join([str(BIN / "gradline"), "run", *SMALL]),
         PREFECT_HOME=str(project / ".prefect-home"),
+        PREFECT_API_URL=SharedPrefect.api(),  # a mount namespace: the same loopback
         GRADLINE_TEST_MARK=mark,
     )
     script = ["bash", "-c", _FULL_THEN_GROWN]

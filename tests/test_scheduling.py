@@ -41,6 +41,5 @@ def test_every_test_of_the_first_run_is_in_its_unit() -> None:
         source = path.read_text()
         for test in re.findall(r"^def (test_\w+)\([^)]*\bfirst_run\b", source, re.MULTILINE):
             assert unit_of_work(f"tests/{path.name}::{test}") == unit, f"{path.name}::{test}"
-    assert unit_of_work("tests/test_ui.py::test_ui_on_other_ports_works_in_a_browser") == (
-        "tests/test_ui.py"
-    )
+    browser = "tests/test_ui.py::test_ui_on_other_ports_works_in_a_browser_and_stops_on_ctrl_c"
+    assert unit_of_work(browser) == "tests/test_ui.py"

@@ -171,19 +171,6 @@ def _stop_and_check(ui: RunningUi, sig: signal.Signals, *, group: bool = False) 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(480)
-def test_ui_on_other_ports_with_one_mlflow_worker_stops_on_ctrl_c(tmp_path: Path) -> None:
-    with _gradline_ui(tmp_path) as ui:
-        settings = _ui_settings(ui.prefect_port)
-        assert settings["api_url"] == f"http://127.0.0.1:{ui.prefect_port}/api"
-        # `mlflow server` and one uvicorn worker; MLflow's defaults started ~15 processes.
-        assert len(ui.mlflow_processes()) <= 3, [p.cmdline() for p in ui.mlflow_processes()]
-        _stop_and_check(ui, signal.SIGINT, group=True)  # what Ctrl-C in a terminal sends
-    assert f"MLflow UI:  http://127.0.0.1:{ui.mlflow_port}" in ui.output()
-    assert f"Prefect UI: http://127.0.0.1:{ui.prefect_port}" in ui.output()
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(480)
 def test_ui_auth_refuses_strangers_and_sigterm_stops_all(tmp_path: Path) -> None:
     user, password = "ada", secrets.token_urlsafe(16)
     creds = {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
@@ -272,16 +259,24 @@ sys.exit(ui.serve_uis(Path("."), ui.UiOptions()))
 @pytest.mark.e2e
 @pytest.mark.timeout(480)
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
-def test_ui_on_other_ports_works_in_a_browser(tmp_path: Path) -> None:
+def test_ui_on_other_ports_works_in_a_browser_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    """One launch (each starts both servers: ~12 CPU-s), checked from start to stop."""
     with _gradline_ui(tmp_path) as ui:
+        settings = _ui_settings(ui.prefect_port)
+        assert settings["api_url"] == f"http://127.0.0.1:{ui.prefect_port}/api"
+        # `mlflow server` and one uvicorn worker; MLflow's defaults started ~15 processes.
+        assert len(ui.mlflow_processes()) <= 3, [p.cmdline() for p in ui.mlflow_processes()]
         flow_run_id = _run_a_flow_with_two_tasks(ui.prefect_port, tmp_path)
-        v2_base = _ui_settings(ui.prefect_port).get("v2_base_url") or ""
+        v2_base = settings.get("v2_base_url") or ""
         page = f"http://127.0.0.1:{ui.prefect_port}{v2_base}/runs/flow-run/{flow_run_id}"
         dom = _render(f"{page}?tab=TaskRuns", tmp_path)
         assert "Can't connect to Server API" not in dom
         assert re.search(r">add_one-\w+<", dom) and re.search(r">double-\w+<", dom), dom[-3000:]
         dom = _render(f"http://127.0.0.1:{ui.mlflow_port}/#/experiments", tmp_path)
         assert ">Default<" in dom, dom[-3000:]  # the experiments list, rendered by its JS
+        _stop_and_check(ui, signal.SIGINT, group=True)  # what Ctrl-C in a terminal sends
+    assert f"MLflow UI:  http://127.0.0.1:{ui.mlflow_port}" in ui.output()
+    assert f"Prefect UI: http://127.0.0.1:{ui.prefect_port}" in ui.output()
 
 
 def _prefect_client_writes(port: int, credential: str | None) -> subprocess.CompletedProcess:
