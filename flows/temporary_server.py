@@ -9,7 +9,8 @@ imports, it comes up while they run, and the command never imports the server pa
 
 It is the same server Prefect would start (its uvicorn command and settings: an
 ephemeral API without the UI, on a free port of 127.0.0.1, on PREFECT_HOME's database),
-stopped when the command exits. PREFECT_API_URL points the command (and what it starts)
+stopped when the command exits; uvicorn's command runs with Python's collector tuned
+(flows/tuned_uvicorn.py). PREFECT_API_URL points the command (and what it starts)
 at it, and `tasks.prefect_api.TEMPORARY_SERVER_ENV` says it is a temporary one, for what
 differs (leases, links to the UI).
 """
@@ -63,7 +64,7 @@ class TemporaryServer:
         return [
             sys.executable,
             "-m",
-            "uvicorn",
+            "flows.tuned_uvicorn",  # uvicorn's command, with the collector tuned first
             "--app-dir",
             str(Path(spec.origin).parent.parent),
             "--factory",
