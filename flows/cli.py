@@ -146,11 +146,11 @@ def _cmd_compare_updates(args: argparse.Namespace) -> int:
     from training.project import default_tracking_uri, find_project_root
 
     root = find_project_root()
-    _start_worker_server()
     # Every child's config, the rules and the fault are checked before anything runs.
     plan = plan_comparison(
         root, parse_rules(args.rules), args.set, args.slow_rank, args.slow_factor
     )
+    _start_worker_server()
     with project_lock(root, wait=not args.no_wait), store_errors(default_tracking_uri(root)):
         reproduce_shards(root)
         report = run_comparison(plan)
@@ -169,9 +169,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         with project_lock(root, wait=not args.no_wait):
             print(apply_best(root, args.set))
         return 0
-    _start_worker_server()
     # The space, every bound's config and the quota are checked before anything runs.
     plan = plan_sweep(root, args.set, _devices_here)
+    _start_worker_server()
     with project_lock(root, wait=not args.no_wait), store_errors(default_tracking_uri(root)):
         reproduce_shards(root)  # the data versioned once, for every trial
         report = run_sweep(plan)
@@ -180,11 +180,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _start_worker_server() -> None:
-    """The server the trials' and children's workers fork from, started while this
-    process still has one thread: then it is a fork of this process with the engine
-    imported (training/engine/worker_start.py), not a new interpreter that imports
-    torch, the engine and MLflow's store again (~4.6 CPU-s each command, which the first
-    job's workers waited for)."""
+    """The server the trials' and children's workers fork from, started once the input
+    is checked (a refusal waits for nothing) and while this process still has one
+    thread: then it is a fork of this process with the engine imported
+    (training/engine/worker_start.py), not a new interpreter that imports torch, the
+    engine and MLflow's store again (~4.6 CPU-s each command, which the first job's
+    workers waited for)."""
     from training.engine.worker_start import start_worker_server
 
     start_worker_server()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import multiprocessing.forkserver as forkserver
 import os
 import subprocess
 import sys
@@ -158,9 +159,12 @@ def test_compare_updates_trains_children_under_one_parent(tmp_path, monkeypatch,
         monkeypatch.setenv(key, os.environ.get(key, value))
     monkeypatch.chdir(project)
     monkeypatch.setenv(SUPERVISED_ENV, "1")  # the command itself, not its supervisor
+    server_before = forkserver._forkserver._forkserver_pid
     assert main(["compare-updates", "--rules", "sync", "--slow-rank", "2"]) == 2
     assert "gradline: error: --slow-rank 2: ranks are 0..1" in capsys.readouterr().err
     assert not (project / "data" / "shards").exists()  # refused before the data stages
+    # Nor a workers' server started: here it would be a fork of this test process.
+    assert forkserver._forkserver._forkserver_pid == server_before
     monkeypatch.delenv(SUPERVISED_ENV)  # the real command next: under its supervisor
 
     sets = [f"--set={o}" for o in TINY]
