@@ -5,8 +5,8 @@ pandas, scikit-learn and DVC; ~640,000 objects) ran ~1,450 young collections and
 ones. Each full one walks every object imported so far. The preload took 5.7 to 6.1
 CPU-s here. With a young generation of 10,000 objects, collections run a tenth as
 often, full ones too, and the preload took 4.5 to 4.7 CPU-s. Importing Prefect's server
-took 3.4 instead of 3.0. The cost is a few MB more garbage at most between collections,
-and a training loop gains fewer pauses.
+took 3.0 CPU-s instead of 3.4. The cost is a few MB more garbage at most between
+collections, and a training loop gains fewer pauses.
 
 Each process gradline starts sets it first thing: the installed command
 (flows/command.py), the stage host, and multiprocessing's forkserver for the workers
